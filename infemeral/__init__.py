@@ -1,0 +1,30 @@
+"""infemeral: private split inference for large language models.
+
+The client keeps everything that touches text (tokenizer, embeddings, the first
+decoder layer, final norm, LM head, sampling); the server runs the remaining
+layers on hidden states in a secret basis and stores the conversation's KV
+cache only as ciphertext under a key the client holds.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+__all__ = ["Client", "Session", "SamplingParams", "prepare", "__version__"]
+
+
+def __getattr__(name: str):
+    # Lazy so that `import infemeral` stays cheap (torch and transformers load on use).
+    if name in ("Client", "Session"):
+        from infemeral.client import sdk
+
+        return getattr(sdk, name)
+    if name == "SamplingParams":
+        from infemeral.client.sampling import SamplingParams
+
+        return SamplingParams
+    if name == "prepare":
+        from infemeral.cloak.prepare import prepare
+
+        return prepare
+    raise AttributeError(name)

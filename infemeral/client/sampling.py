@@ -1,0 +1,64 @@
+"""Token sampling on the client: greedy, temperature, top-k, top-p, repetition penalty."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """temperature 0 means greedy decoding."""
+
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be at least 1")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0")
+        if self.repetition_penalty <= 0:
+            raise ValueError("repetition_penalty must be > 0")
+
+
+class Sampler:
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        self.generator = torch.Generator()
+        if params.seed is not None:
+            self.generator.manual_seed(params.seed)
+        else:
+            self.generator.seed()
+
+    def __call__(self, logits: torch.Tensor, context_ids: list[int]) -> int:
+        """Pick the next token from a [vocab] logits vector."""
+        p = self.params
+        logits = logits.float().clone()
+        if p.repetition_penalty != 1.0 and context_ids:
+            ids = torch.tensor(sorted(set(context_ids)), dtype=torch.long)
+            seen = logits[ids]
+            logits[ids] = torch.where(seen < 0, seen * p.repetition_penalty, seen / p.repetition_penalty)
+        if p.temperature == 0:
+            return int(torch.argmax(logits))
+        logits = logits / p.temperature
+        if p.top_k > 0:
+            kth = torch.topk(logits, min(p.top_k, logits.numel())).values[-1]
+            logits[logits < kth] = float("-inf")
+        if p.top_p < 1.0:
+            sorted_logits, order = torch.sort(logits, descending=True)
+            cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+            drop = cumulative - torch.softmax(sorted_logits, dim=-1) >= p.top_p  # keep the first token always
+            logits[order[drop]] = float("-inf")
+        probs = torch.softmax(logits, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=self.generator))

@@ -1,0 +1,154 @@
+"""On-disk client and server bundles, and the server bundle's fingerprint.
+
+Server bundle (safe to upload to a pod): config, one safetensors file per served
+layer (folded and rotated), manifest with a fingerprint. The fingerprint is a
+SHA-256 over the manifest fields and the files' hashes: it identifies the exact
+weights without revealing anything about Q.
+
+Client bundle (owner-only, never leaves the laptop): tokenizer, configs, the
+embedding, the first `client_layers` layers (plain), final norm, LM head, the
+secret basis Q, and the fingerprint of the server bundle it matches.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig
+
+from infemeral.errors import FailedPrecondition
+
+SERVER_FORMAT = "infemeral-server-bundle"
+CLIENT_FORMAT = "infemeral-client-bundle"
+FORMAT_VERSION = 1
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def fingerprint(manifest: dict) -> str:
+    body = {k: v for k, v in manifest.items() if k != "fingerprint"}
+    return "sha256:" + hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def layer_file(index: int) -> str:
+    return f"layer-{index:05d}.safetensors"
+
+
+def clean_config(config: PretrainedConfig) -> PretrainedConfig:
+    """The config without load-time leftovers (e.g. GGUF quantization info)."""
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    return config
+
+
+def read_manifest(directory: Path, expected_format: str) -> dict:
+    path = directory / "manifest.json"
+    if not path.exists():
+        raise FailedPrecondition(f"{directory} is not an infemeral bundle (no manifest.json); run `infemeral-client prepare`")
+    manifest = json.loads(path.read_text())
+    if manifest.get("format") != expected_format:
+        raise FailedPrecondition(f"{directory} holds a {manifest.get('format')!r}, expected a {expected_format!r}")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise FailedPrecondition(
+            f"{directory} has bundle format version {manifest.get('format_version')}, this version of infemeral "
+            f"reads version {FORMAT_VERSION}; prepare the bundles again")
+    return manifest
+
+
+@dataclass
+class ServerBundle:
+    directory: Path
+    manifest: dict
+    config: PretrainedConfig
+
+    @property
+    def fingerprint(self) -> str:
+        return self.manifest["fingerprint"]
+
+    @property
+    def first_layer(self) -> int:
+        return self.manifest["first_layer"]
+
+    @property
+    def num_layers(self) -> int:
+        return self.manifest["num_layers"]
+
+    @classmethod
+    def open(cls, directory: str | Path, verify: bool = True) -> "ServerBundle":
+        directory = Path(directory).expanduser()
+        manifest = read_manifest(directory, SERVER_FORMAT)
+        if verify:
+            for name, digest in manifest["files"].items():
+                if sha256_file(directory / name) != digest:
+                    raise FailedPrecondition(f"server bundle file {name} does not match its manifest; re-upload the bundle")
+            if fingerprint(manifest) != manifest["fingerprint"]:
+                raise FailedPrecondition("server bundle manifest has been modified; re-upload the bundle")
+        config = AutoConfig.from_pretrained(directory)
+        return cls(directory, manifest, config)
+
+    def layer_weights(self, index: int) -> dict[str, torch.Tensor]:
+        return load_file(str(self.directory / layer_file(index)))
+
+
+@dataclass
+class ClientBundle:
+    directory: Path
+    manifest: dict
+    config: PretrainedConfig
+
+    @property
+    def server_fingerprint(self) -> str:
+        return self.manifest["server_fingerprint"]
+
+    @property
+    def client_layers(self) -> int:
+        return self.manifest["client_layers"]
+
+    @classmethod
+    def open(cls, directory: str | Path) -> "ClientBundle":
+        directory = Path(directory).expanduser()
+        manifest = read_manifest(directory, CLIENT_FORMAT)
+        return cls(directory, manifest, AutoConfig.from_pretrained(directory))
+
+    def tokenizer(self):
+        return AutoTokenizer.from_pretrained(self.directory / "tokenizer")
+
+    def generation_config(self) -> GenerationConfig:
+        return GenerationConfig.from_pretrained(self.directory)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return load_file(str(self.directory / "client.safetensors"))
+
+    def basis(self) -> torch.Tensor:
+        return load_file(str(self.directory / "basis.safetensors"))["basis"]
+
+
+def make_private_dir(path: Path) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    os.chmod(path, 0o700)
+
+
+def restrict_tree(path: Path) -> None:
+    """Make every file under path owner-only (the client bundle holds the secret basis)."""
+    for root, dirs, files in os.walk(path):
+        os.chmod(root, 0o700)
+        for f in files:
+            os.chmod(os.path.join(root, f), 0o600)

@@ -1,0 +1,126 @@
+"""Split a model into a client bundle and a rotated server bundle.
+
+Works layer by layer: each server layer is read, folded, rotated, written and
+dropped before the next, so peak memory stays near one layer plus Q (plus the
+whole model for GGUF input, which must be dequantised at once).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+
+from infemeral.cloak import bundle as B
+from infemeral.cloak.basis import random_orthogonal
+from infemeral.cloak.rotate import rotate_layer
+from infemeral.cloak.sources import WeightSource, layer_tensors, open_source
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PreparedBundles:
+    client_dir: Path
+    server_dir: Path
+    fingerprint: str
+
+
+def prepare(model: str | Path | None = None, output: str | Path = "bundles", *,
+            client_dir: str | Path | None = None, server_dir: str | Path | None = None,
+            client_layers: int = 1, dtype: str = "float32", progress: bool = True,
+            source: WeightSource | None = None, basis_seed: bytes | None = None) -> PreparedBundles:
+    """Prepare bundles from `model` (None for the packaged SmolLM2, a directory, Hub id or .gguf).
+
+    Writes `<output>/client` (owner-only, keep it private) and `<output>/server`
+    (upload it to the pod) unless client_dir / server_dir say otherwise.
+    """
+    if dtype not in B.DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(B.DTYPES)}, got {dtype!r}")
+    torch_dtype = B.DTYPES[dtype]
+    output = Path(output).expanduser()
+    client_dir = Path(client_dir).expanduser() if client_dir else output / "client"
+    server_dir = Path(server_dir).expanduser() if server_dir else output / "server"
+    source = source or open_source(model)
+    config = B.clean_config(source.config)
+    total = config.num_hidden_layers
+    if not 1 <= client_layers < total:
+        raise ValueError(f"client_layers must be between 1 and {total - 1} for this model, got {client_layers}")
+    d = config.hidden_size
+
+    # Round Q once, then rotate the weights with exactly the Q the client will use.
+    basis = random_orthogonal(d, basis_seed).to(torch.float32)
+    q64 = basis.to(torch.float64)
+
+    server_tmp = Path(tempfile.mkdtemp(prefix=".server-", dir=_parent(server_dir)))
+    client_tmp = Path(tempfile.mkdtemp(prefix=".client-", dir=_parent(client_dir)))
+    try:
+        files = {}
+        bar = tqdm(range(total), desc="preparing layers", unit="layer", disable=not progress)
+        client_tensors: dict[str, torch.Tensor] = {}
+        for i in bar:
+            weights = dict(layer_tensors(source, i))
+            if not weights:
+                raise ValueError(f"{source.description} has no tensors for decoder layer {i}")
+            if i < client_layers:
+                client_tensors.update({f"layers.{i}.{k}": v.to(torch_dtype).contiguous() for k, v in weights.items()})
+                continue
+            name = B.layer_file(i)
+            save_file(rotate_layer(weights, q64, torch_dtype), str(server_tmp / name))
+            files[name] = B.sha256_file(server_tmp / name)
+            del weights
+
+        client_tensors["embed_tokens.weight"] = source.take("model.embed_tokens.weight").to(torch_dtype)
+        client_tensors["norm.weight"] = source.take("model.norm.weight").to(torch_dtype)
+        if not getattr(config, "tie_word_embeddings", False) and source.has("lm_head.weight"):
+            client_tensors["lm_head.weight"] = source.take("lm_head.weight").to(torch_dtype)
+        save_file(client_tensors, str(client_tmp / "client.safetensors"))
+        save_file({"basis": basis.contiguous()}, str(client_tmp / "basis.safetensors"))
+
+        config.save_pretrained(server_tmp)
+        files["config.json"] = B.sha256_file(server_tmp / "config.json")
+        manifest = {
+            "format": B.SERVER_FORMAT, "format_version": B.FORMAT_VERSION,
+            "model_type": config.model_type, "hidden_size": d, "dtype": dtype,
+            "first_layer": client_layers, "num_layers": total - client_layers, "total_layers": total,
+            "files": files,
+        }
+        manifest["fingerprint"] = B.fingerprint(manifest)
+        (server_tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
+
+        config.save_pretrained(client_tmp)
+        source.generation_config().save_pretrained(client_tmp)
+        source.tokenizer().save_pretrained(client_tmp / "tokenizer")
+        (client_tmp / "manifest.json").write_text(json.dumps({
+            "format": B.CLIENT_FORMAT, "format_version": B.FORMAT_VERSION,
+            "model_type": config.model_type, "hidden_size": d, "dtype": dtype,
+            "client_layers": client_layers, "total_layers": total,
+            "server_fingerprint": manifest["fingerprint"], "source": source.description,
+        }, indent=2))
+        B.restrict_tree(client_tmp)
+        _replace(server_tmp, server_dir)
+        _replace(client_tmp, client_dir)
+    except BaseException:
+        shutil.rmtree(server_tmp, ignore_errors=True)
+        shutil.rmtree(client_tmp, ignore_errors=True)
+        raise
+    log.info("prepared bundles: client=%s server=%s", client_dir, server_dir)
+    return PreparedBundles(client_dir, server_dir, manifest["fingerprint"])
+
+
+def _parent(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path.parent
+
+
+def _replace(tmp: Path, final: Path) -> None:
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)

@@ -1,0 +1,39 @@
+"""Settings from flags and INFEMERAL_* environment variables (pydantic-settings)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DATA_HOME = Path.home() / ".local" / "share" / "infemeral"
+
+
+class ServerSettings(BaseSettings):
+    """Server configuration; every field can be set as INFEMERAL_<NAME>."""
+
+    model_config = SettingsConfigDict(env_prefix="INFEMERAL_", extra="ignore")
+
+    bundle: Path = Field(DATA_HOME / "bundles" / "default" / "server", description="server bundle directory")
+    listen: str = Field("127.0.0.1:50051", description="host:port to listen on")
+    store: str = Field(str(DATA_HOME / "store"), description="session store: a directory path or file:///path")
+    device: str = Field("auto", description="cpu, cuda, cuda:N or auto")
+    dtype: str = Field("auto", description="float32, bfloat16, float16 or auto (float32 on CPU, bfloat16 on CUDA)")
+    max_step_tokens: int = Field(2048, ge=1, description="most tokens one step may carry")
+    max_context: int = Field(8192, ge=1, description="most tokens a session's cache may hold")
+    max_sessions: int = Field(64, ge=1, description="most turns open at once")
+    workers: int = Field(32, ge=1, description="gRPC worker threads")
+    verify_bundle: bool = Field(True, description="check the bundle's file hashes at start-up")
+    grace_seconds: float = Field(10.0, ge=0, description="how long SIGTERM waits for open turns")
+
+
+class ClientSettings(BaseSettings):
+    """Client configuration; every field can be set as INFEMERAL_<NAME>."""
+
+    model_config = SettingsConfigDict(env_prefix="INFEMERAL_", extra="ignore")
+
+    server: str = Field("127.0.0.1:50051", description="server address host:port")
+    client_bundle: Path = Field(DATA_HOME / "bundles" / "default" / "client", description="client bundle directory")
+    sessions_dir: Path = Field(DATA_HOME / "sessions", description="where named chat sessions are saved")
+    timeout: float = Field(600.0, description="seconds one turn may take")

@@ -1,0 +1,83 @@
+"""Errors that carry the gRPC status a user should see.
+
+Everything the server refuses is raised as a `StatusError` somewhere below the
+service layer; the service turns it into a gRPC status with the same message,
+and the client turns that status back into a `StatusError`. The messages name
+the problem and what to do about it, and never contain keys or payloads.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class InfemeralError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+
+class StatusError(InfemeralError):
+    """An error with the gRPC status code it maps to."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None):
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+
+    @property
+    def message(self) -> str:
+        return str(self.args[0])
+
+
+class InvalidArgument(StatusError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class FailedPrecondition(StatusError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class PermissionDenied(StatusError):
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class NotFound(StatusError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class Aborted(StatusError):
+    code = grpc.StatusCode.ABORTED
+
+
+class DataLoss(StatusError):
+    code = grpc.StatusCode.DATA_LOSS
+
+
+class OutOfRange(StatusError):
+    code = grpc.StatusCode.OUT_OF_RANGE
+
+
+class Unavailable(StatusError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class ResourceExhausted(StatusError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class UnsupportedModel(InfemeralError):
+    """The model's architecture cannot be split exactly (e.g. sandwich norms)."""
+
+
+_BY_CODE = {cls.code: cls for cls in (InvalidArgument, FailedPrecondition, PermissionDenied,
+                                     NotFound, Aborted, DataLoss, OutOfRange, Unavailable,
+                                     ResourceExhausted)}
+
+
+def from_rpc_error(err: grpc.RpcError) -> StatusError:
+    """Turn a gRPC error received by the client into the matching StatusError."""
+    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+    details = err.details() if hasattr(err, "details") else str(err)
+    cls = _BY_CODE.get(code, StatusError)
+    return cls(f"{details} [{code.name}]", code)

@@ -1,0 +1,72 @@
+"""A contiguous run of the model's own decoder layers, driven over our KV cache.
+
+Both halves of the split use this: the client for its first `client_layers`
+layers (plain weights), the server for the rest (folded, rotated weights).
+The layers are transformers' own classes; only the cache and the attention
+function (see `attention.py`) are ours.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+
+import torch
+from transformers import PretrainedConfig
+
+from infemeral.kvcache.cache import KVCache
+from infemeral.model import architecture
+from infemeral.model.attention import NAME as ATTENTION
+
+
+def runtime_config(config: PretrainedConfig) -> PretrainedConfig:
+    """A copy of the config set up to run with our cache attention."""
+    config = copy.deepcopy(config)
+    config._attn_implementation = ATTENTION
+    return config
+
+
+def head_dim(config: PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class LayerStack(torch.nn.Module):
+    """Decoder layers [first_layer, first_layer + len(layer_weights)) of one model."""
+
+    def __init__(self, config: PretrainedConfig, first_layer: int,
+                 layer_weights: list[Mapping[str, torch.Tensor]],
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        super().__init__()
+        self.config = runtime_config(config)
+        self.first_layer = first_layer
+        self.dtype = dtype
+        self.device = torch.device(device)
+        layer_cls = architecture.decoder_layer_class(config)
+        layers = []
+        for i, weights in enumerate(layer_weights):
+            with torch.device("meta"):
+                layer = layer_cls(self.config, first_layer + i)
+            layer.load_state_dict({k: v.to(self.device, dtype) for k, v in weights.items()},
+                                  strict=True, assign=True)
+            layers.append(layer.eval())
+        self.layers = torch.nn.ModuleList(layers)
+        self.rotary = architecture.rotary_embedding_class(config)(config=self.config).to(self.device)
+        self.requires_grad_(False)
+
+    def new_cache(self, capacity: int = 256) -> KVCache:
+        return KVCache(self.first_layer, len(self.layers), self.config.num_key_value_heads,
+                       head_dim(self.config), self.dtype, self.device, capacity)
+
+    @torch.inference_mode()
+    def forward(self, hidden: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Run new positions [n, hidden] through every layer, appending to `cache`."""
+        n = hidden.shape[0]
+        x = hidden.to(self.device, self.dtype).unsqueeze(0)
+        positions = torch.arange(cache.length, cache.length + n, device=self.device).unsqueeze(0)
+        cos_sin = self.rotary(x, positions)
+        cache.begin_step()
+        for layer in self.layers:
+            x = layer(x, attention_mask=None, position_ids=positions, past_key_values=cache,
+                      position_embeddings=cos_sin)
+        cache.finish_step(n)
+        return x[0]

@@ -1,0 +1,151 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Tensor(_message.Message):
+    __slots__ = ("data", "dtype", "shape")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, data: _Optional[bytes] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class OpenTurn(_message.Message):
+    __slots__ = ("session_id", "session_key", "expected_version", "bundle_fingerprint")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_KEY_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BUNDLE_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    session_id: bytes
+    session_key: bytes
+    expected_version: int
+    bundle_fingerprint: str
+    def __init__(self, session_id: _Optional[bytes] = ..., session_key: _Optional[bytes] = ..., expected_version: _Optional[int] = ..., bundle_fingerprint: _Optional[str] = ...) -> None: ...
+
+class Step(_message.Message):
+    __slots__ = ("hidden", "cache_length", "outputs")
+    HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    CACHE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    hidden: Tensor
+    cache_length: int
+    outputs: int
+    def __init__(self, hidden: _Optional[_Union[Tensor, _Mapping]] = ..., cache_length: _Optional[int] = ..., outputs: _Optional[int] = ...) -> None: ...
+
+class Truncate(_message.Message):
+    __slots__ = ("tokens", "cache_length")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    tokens: int
+    cache_length: int
+    def __init__(self, tokens: _Optional[int] = ..., cache_length: _Optional[int] = ...) -> None: ...
+
+class Commit(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TurnRequest(_message.Message):
+    __slots__ = ("open", "step", "truncate", "commit")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    open: OpenTurn
+    step: Step
+    truncate: Truncate
+    commit: Commit
+    def __init__(self, open: _Optional[_Union[OpenTurn, _Mapping]] = ..., step: _Optional[_Union[Step, _Mapping]] = ..., truncate: _Optional[_Union[Truncate, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ...) -> None: ...
+
+class Opened(_message.Message):
+    __slots__ = ("version", "cache_length")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    CACHE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    cache_length: int
+    def __init__(self, version: _Optional[int] = ..., cache_length: _Optional[int] = ...) -> None: ...
+
+class StepResult(_message.Message):
+    __slots__ = ("hidden", "cache_length")
+    HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    CACHE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    hidden: Tensor
+    cache_length: int
+    def __init__(self, hidden: _Optional[_Union[Tensor, _Mapping]] = ..., cache_length: _Optional[int] = ...) -> None: ...
+
+class Truncated(_message.Message):
+    __slots__ = ("cache_length",)
+    CACHE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    cache_length: int
+    def __init__(self, cache_length: _Optional[int] = ...) -> None: ...
+
+class Committed(_message.Message):
+    __slots__ = ("version", "cache_length")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    CACHE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    cache_length: int
+    def __init__(self, version: _Optional[int] = ..., cache_length: _Optional[int] = ...) -> None: ...
+
+class TurnResponse(_message.Message):
+    __slots__ = ("opened", "step", "truncated", "committed")
+    OPENED_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    opened: Opened
+    step: StepResult
+    truncated: Truncated
+    committed: Committed
+    def __init__(self, opened: _Optional[_Union[Opened, _Mapping]] = ..., step: _Optional[_Union[StepResult, _Mapping]] = ..., truncated: _Optional[_Union[Truncated, _Mapping]] = ..., committed: _Optional[_Union[Committed, _Mapping]] = ...) -> None: ...
+
+class ServerInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ServerInfo(_message.Message):
+    __slots__ = ("bundle_fingerprint", "model_type", "hidden_size", "first_layer", "num_layers", "total_layers", "dtype", "device", "max_step_tokens", "max_context", "max_message_bytes", "server_version", "protocol_version")
+    BUNDLE_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LAYER_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    MAX_STEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    bundle_fingerprint: str
+    model_type: str
+    hidden_size: int
+    first_layer: int
+    num_layers: int
+    total_layers: int
+    dtype: str
+    device: str
+    max_step_tokens: int
+    max_context: int
+    max_message_bytes: int
+    server_version: str
+    protocol_version: int
+    def __init__(self, bundle_fingerprint: _Optional[str] = ..., model_type: _Optional[str] = ..., hidden_size: _Optional[int] = ..., first_layer: _Optional[int] = ..., num_layers: _Optional[int] = ..., total_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_step_tokens: _Optional[int] = ..., max_context: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., server_version: _Optional[str] = ..., protocol_version: _Optional[int] = ...) -> None: ...
+
+class DeleteSessionRequest(_message.Message):
+    __slots__ = ("session_id", "session_key")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_KEY_FIELD_NUMBER: _ClassVar[int]
+    session_id: bytes
+    session_key: bytes
+    def __init__(self, session_id: _Optional[bytes] = ..., session_key: _Optional[bytes] = ...) -> None: ...
+
+class DeleteSessionResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

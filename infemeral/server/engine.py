@@ -1,0 +1,215 @@
+"""The server engine: served layers, open turns, and one worker that runs the model.
+
+gRPC handler threads never touch the model. They open turns here and submit
+steps; a single worker thread takes pending steps from a queue and runs them
+through the layers. Keeping all model work on one scheduler thread is what
+lets many concurrent streams share one device (and is where steps of several
+sessions get batched together).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from infemeral.cloak.bundle import ServerBundle, dtype_name
+from infemeral.errors import (Aborted, FailedPrecondition, InvalidArgument, NotFound, OutOfRange,
+                              ResourceExhausted, Unavailable)
+from infemeral.kvcache import sealed
+from infemeral.kvcache.cache import KVCache
+from infemeral.model.layers import LayerStack
+from infemeral.storage.base import Store
+
+log = logging.getLogger(__name__)
+
+SESSION_ID_BYTES = 16
+SESSION_KEY_BYTES = 32
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    except KeyError:
+        raise ValueError(f"dtype must be float32, bfloat16, float16 or auto, not {dtype!r}") from None
+
+
+def short_id(session_id: bytes) -> str:
+    """Enough of a session id to correlate logs, not enough to address the session."""
+    return session_id.hex()[:8]
+
+
+@dataclass
+class Turn:
+    session_id: bytes
+    keys: sealed.SessionKeys
+    version: int
+    cache: KVCache
+    closed: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class Engine:
+    def __init__(self, bundle: ServerBundle, store: Store, *, device: str = "auto", dtype: str = "auto",
+                 max_step_tokens: int = 2048, max_context: int = 8192, max_sessions: int = 64):
+        self.bundle = bundle
+        self.store = store
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.max_step_tokens = max_step_tokens
+        self.max_context = max_context
+        self.max_sessions = max_sessions
+        layers = [bundle.layer_weights(i) for i in range(bundle.first_layer, bundle.first_layer + bundle.num_layers)]
+        self.layers = LayerStack(bundle.config, bundle.first_layer, layers, dtype=self.dtype, device=self.device)
+        del layers
+        self.hidden_size = bundle.config.hidden_size
+        self._active: dict[bytes, Turn] = {}
+        self._active_lock = threading.Lock()
+        self._queue: queue.Queue = queue.Queue()
+        self._worker = threading.Thread(target=self._run, name="infemeral-engine", daemon=True)
+        self._stopping = False
+        self._worker.start()
+        log.info("engine ready: %d layers from %d on %s in %s", bundle.num_layers, bundle.first_layer,
+                 self.device, dtype_name(self.dtype))
+
+    # -- turns ------------------------------------------------------------------------------
+    def open_turn(self, session_id: bytes, session_key: bytes, expected_version: int, fingerprint: str) -> Turn:
+        if len(session_id) != SESSION_ID_BYTES:
+            raise InvalidArgument(f"session_id must be {SESSION_ID_BYTES} bytes, got {len(session_id)}")
+        if len(session_key) != SESSION_KEY_BYTES:
+            raise InvalidArgument(f"session_key must be {SESSION_KEY_BYTES} bytes, got {len(session_key)}")
+        if fingerprint != self.bundle.fingerprint:
+            raise FailedPrecondition(
+                "client bundle was prepared against a different server bundle "
+                f"(client expects {fingerprint or 'none'}, server has {self.bundle.fingerprint}); "
+                "upload the matching server bundle or use the matching client bundle")
+        if self._stopping:
+            raise Unavailable("server is shutting down; retry on another replica or later")
+        with self._active_lock:
+            if session_id in self._active:
+                raise Aborted("this session is already in a turn on this server; wait for it to finish "
+                              "(one turn at a time per session)")
+            if len(self._active) >= self.max_sessions:
+                raise ResourceExhausted(f"server is serving its limit of {self.max_sessions} turns; retry shortly")
+            turn = Turn(session_id, sealed.SessionKeys.derive(session_id, session_key), 0, self.layers.new_cache())
+            self._active[session_id] = turn
+        try:
+            self._load(turn, expected_version)
+        except BaseException:
+            self.close_turn(turn)
+            raise
+        log.info("turn opened session=%s version=%d length=%d", short_id(session_id), turn.version, turn.cache.length)
+        return turn
+
+    def _load(self, turn: Turn, expected_version: int) -> None:
+        blob = self.store.read(turn.session_id)
+        if blob is None:
+            if expected_version != 0:
+                raise NotFound(f"no stored state for this session (client expects version {expected_version}); "
+                               "it may have expired or been deleted — start a new session")
+            return
+        header, _, _ = sealed.read_header(blob)
+        if header.version != expected_version:
+            raise Aborted(f"stored session is at version {header.version} but the client expects version "
+                          f"{expected_version}; another client moved it on or an old copy was restored")
+        if header.fingerprint != self.bundle.fingerprint:
+            raise FailedPrecondition("stored session was made with a different server bundle and cannot be resumed")
+        sealed.unseal(blob, turn.keys, turn.cache)
+        turn.version = header.version
+
+    def step(self, turn: Turn, hidden: torch.Tensor, cache_length: int, outputs: int = 1) -> torch.Tensor:
+        """Run new positions through the served layers; return the last `outputs` residuals."""
+        n = hidden.shape[0]
+        if cache_length != turn.cache.length:
+            raise Aborted(f"client thinks the cache holds {cache_length} tokens but it holds {turn.cache.length}; "
+                          "the client and server are out of step — reopen the turn")
+        if turn.cache.length + n > self.max_context:
+            raise OutOfRange(f"this step would grow the session to {turn.cache.length + n} tokens, over the "
+                             f"server's max_context of {self.max_context}; start a new session")
+        outputs = outputs or 1
+        if not 1 <= outputs <= n:
+            raise InvalidArgument(f"outputs must be between 1 and the step's {n} tokens, got {outputs}")
+        future: Future = Future()
+        self._queue.put((turn, hidden, outputs, future))
+        return future.result()
+
+    def truncate(self, turn: Turn, tokens: int, cache_length: int) -> int:
+        if cache_length != turn.cache.length:
+            raise Aborted(f"client thinks the cache holds {cache_length} tokens but it holds {turn.cache.length}")
+        if tokens > turn.cache.length:
+            raise InvalidArgument(f"cannot drop {tokens} tokens from a cache of {turn.cache.length}")
+        turn.cache.truncate(tokens)
+        return turn.cache.length
+
+    def commit(self, turn: Turn) -> int:
+        new_version = turn.version + 1
+        blob = sealed.seal(turn.cache, turn.keys, new_version, self.bundle.fingerprint)
+        self.store.write(turn.session_id, blob)
+        turn.version = new_version
+        turn.cache.commit()
+        log.info("turn committed session=%s version=%d length=%d bytes=%d", short_id(turn.session_id),
+                 new_version, turn.cache.length, len(blob))
+        return new_version
+
+    def close_turn(self, turn: Turn) -> None:
+        """End a turn, committed or not: wipe plaintext and release the session."""
+        with turn.lock:
+            if turn.closed:
+                return
+            turn.closed = True
+        turn.cache.wipe()
+        with self._active_lock:
+            if self._active.get(turn.session_id) is turn:
+                del self._active[turn.session_id]
+
+    def delete_session(self, session_id: bytes, session_key: bytes) -> None:
+        if len(session_id) != SESSION_ID_BYTES or len(session_key) != SESSION_KEY_BYTES:
+            raise InvalidArgument("session_id must be 16 bytes and session_key 32 bytes")
+        with self._active_lock:
+            if session_id in self._active:
+                raise Aborted("this session is in a turn; delete it when the turn has ended")
+        blob = self.store.read(session_id)
+        if blob is None:
+            raise NotFound("no such session (it may have expired or been deleted already)")
+        header, _, _ = sealed.read_header(blob)
+        sealed.check_key(header, sealed.SessionKeys.derive(session_id, session_key))
+        self.store.delete(session_id)
+        log.info("session deleted session=%s", short_id(session_id))
+
+    @property
+    def active_turns(self) -> int:
+        return len(self._active)
+
+    # -- the worker ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            turn, hidden, outputs, future = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                if turn.closed:
+                    raise Aborted("turn was closed")
+                out = self.layers(hidden, turn.cache)
+                future.set_result(out[-outputs:].to("cpu"))
+            except BaseException as e:  # delivered to the waiting handler thread
+                future.set_exception(e)
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._queue.put(None)
+        self._worker.join(timeout=5)

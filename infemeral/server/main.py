@@ -1,0 +1,47 @@
+"""`infemeral-server`: serve a server bundle over gRPC."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from infemeral.cli_settings import add_settings_flags, settings_from_args
+from infemeral.config import ServerSettings
+from infemeral.errors import InfemeralError
+
+EPILOG = """\
+examples:
+  infemeral-server --bundle bundles/server
+  INFEMERAL_BUNDLE=/workspace/server INFEMERAL_LISTEN=0.0.0.0:50051 infemeral-server
+
+The server only ever sees hidden states in the client's secret basis; it keeps
+each session's KV cache encrypted under the client's key in --store between turns.
+Stop it with SIGTERM (or Ctrl-C): open turns get --grace-seconds to finish.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="infemeral-server", description="Serve the rotated layers of a model to infemeral clients.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_settings_flags(parser, ServerSettings)
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR (default: INFO)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from infemeral.server.app import serve_forever
+
+    try:
+        serve_forever(settings_from_args(ServerSettings, args))
+    except (InfemeralError, OSError, ValueError) as e:
+        print(f"infemeral-server: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
