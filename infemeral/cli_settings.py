@@ -16,7 +16,9 @@ def add_settings_flags(parser: argparse.ArgumentParser, settings_cls: type[BaseS
         flag = "--" + name.replace("_", "-")
         env = (prefix + name).upper()
         help_text = f"{field.description} (env {env}; default: {field.default})"
-        if field.annotation is bool:
+        if name == "stop":
+            parser.add_argument(flag, dest=name, default=None, action="append", help=help_text)
+        elif field.annotation is bool:
             parser.add_argument(flag, dest=name, default=None, action=argparse.BooleanOptionalAction, help=help_text)
         else:
             parser.add_argument(flag, dest=name, default=None, help=help_text)

@@ -37,3 +37,17 @@ class ClientSettings(BaseSettings):
     client_bundle: Path = Field(DATA_HOME / "bundles" / "default" / "client", description="client bundle directory")
     sessions_dir: Path = Field(DATA_HOME / "sessions", description="where named chat sessions are saved")
     timeout: float = Field(600.0, description="seconds one turn may take")
+    max_new_tokens: int = Field(256, ge=1, description="most tokens to generate per answer")
+    temperature: float = Field(0.0, ge=0, description="sampling temperature; 0 is greedy")
+    top_k: int = Field(0, ge=0, description="sample from the k most likely tokens (0: off)")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass (1: off)")
+    repetition_penalty: float = Field(1.0, gt=0, description="penalty for tokens already in the context (1: off)")
+    seed: int | None = Field(None, description="random seed for reproducible sampling")
+    stop: list[str] = Field(default_factory=list, description="stop strings (repeat the flag for several)")
+
+    def sampling(self):
+        from infemeral.client.sampling import SamplingParams
+
+        return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_k=self.top_k,
+                              top_p=self.top_p, repetition_penalty=self.repetition_penalty, stop=list(self.stop),
+                              seed=self.seed)

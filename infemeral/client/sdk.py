@@ -45,6 +45,7 @@ class TurnResult:
     """What one turn did; token counts and timings only, for display and benchmarks."""
 
     text: str = ""
+    token_ids: list[int] = field(default_factory=list)  # sampled ids, stays on the client
     prompt_tokens: int = 0
     generated_tokens: int = 0
     finish_reason: str = ""  # "eos", "stop", "length" or "context"
@@ -264,6 +265,7 @@ class Session:
                 fed.append(token)
             if len(result.text) > len(emitted):
                 yield result.text[len(emitted):]
+            result.token_ids = generated
             result.generated_tokens = len(generated)
             result.decode_seconds = time.perf_counter() - decode_from
             done = stream.call(pb.TurnRequest(commit=pb.Commit()), "committed")

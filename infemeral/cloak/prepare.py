@@ -97,7 +97,9 @@ def prepare(model: str | Path | None = None, output: str | Path = "bundles", *,
 
         config.save_pretrained(client_tmp)
         source.generation_config().save_pretrained(client_tmp)
-        source.tokenizer().save_pretrained(client_tmp / "tokenizer")
+        tokenizer = source.tokenizer()
+        if tokenizer is not None:
+            tokenizer.save_pretrained(client_tmp / "tokenizer")
         (client_tmp / "manifest.json").write_text(json.dumps({
             "format": B.CLIENT_FORMAT, "format_version": B.FORMAT_VERSION,
             "model_type": config.model_type, "hidden_size": d, "dtype": dtype,

@@ -8,6 +8,7 @@ for the small packaged default model.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import logging
@@ -99,27 +100,21 @@ class SafetensorsSource(WeightSource):
         return self._handles[self._where[name]].get_tensor(name)
 
 
-class GGUFSource(WeightSource):
-    """A GGUF file, dequantised by transformers (needs the `gguf` package)."""
+class ModelSource(WeightSource):
+    """An already-loaded transformers causal LM (its tensors are copied lazily, the model is untouched)."""
 
-    def __init__(self, path: Path):
-        from transformers import AutoModelForCausalLM
-
-        self.path = path
-        self.description = str(path)
-        self.config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-        check_supported(self.config)
-        log.info("dequantising %s", path.name)
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-        self.config = model.config
-        self._gen = model.generation_config
+    def __init__(self, model, tokenizer=None, description: str = "in-memory model"):
+        check_supported(model.config)
+        self.config = copy.deepcopy(model.config)
+        self.description = description
+        self._gen = getattr(model, "generation_config", None) or GenerationConfig.from_model_config(model.config)
+        self._tokenizer = tokenizer
         self._tensors = dict(model.state_dict())
         if getattr(self.config, "tie_word_embeddings", False):
             self._tensors.pop("lm_head.weight", None)
-        del model
 
     def tokenizer(self):
-        return AutoTokenizer.from_pretrained(self.path.parent, gguf_file=self.path.name)
+        return self._tokenizer
 
     def generation_config(self) -> GenerationConfig:
         return self._gen
@@ -129,6 +124,20 @@ class GGUFSource(WeightSource):
 
     def take(self, name: str) -> torch.Tensor:
         return self._tensors.pop(name)
+
+
+class GGUFSource(ModelSource):
+    """A GGUF file, dequantised by transformers (needs the `gguf` package)."""
+
+    def __init__(self, path: Path):
+        from transformers import AutoModelForCausalLM
+
+        check_supported(AutoConfig.from_pretrained(path.parent, gguf_file=path.name))
+        log.info("dequantising %s", path.name)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        super().__init__(model, tokenizer, str(path))
+        del model
 
 
 def open_source(model: str | Path | None) -> WeightSource:

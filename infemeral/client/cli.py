@@ -1,0 +1,224 @@
+"""`infemeral-client`: prepare bundles, then generate or chat through an infemeral server."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import sys
+from pathlib import Path
+
+from infemeral.cli_settings import add_settings_flags, settings_from_args
+from infemeral.config import ClientSettings
+from infemeral.errors import InfemeralError
+
+CONNECTION = ("server", "client_bundle", "timeout")
+SAMPLING = ("max_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "seed", "stop")
+
+EPILOG = """\
+first steps:
+  infemeral-client prepare                       # split the packaged SmolLM2 into bundles
+  infemeral-server --bundle ~/.local/share/infemeral/bundles/default/server &
+  infemeral-client generate "What is the capital of France?"
+  infemeral-client chat --session work           # resumable chat
+
+Every flag can also be set as an INFEMERAL_* environment variable, e.g.
+INFEMERAL_SERVER=pod.example.com:50051 or INFEMERAL_TEMPERATURE=0.7.
+"""
+
+
+def _connection_and_sampling(parser: argparse.ArgumentParser) -> None:
+    add_settings_flags(parser, ClientSettings, CONNECTION)
+    group = parser.add_argument_group("sampling")
+    add_settings_flags(group, ClientSettings, SAMPLING)
+    parser.add_argument("-v", "--verbose", action="store_true", help="print timings and token counts to stderr")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="infemeral-client", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Chat with a large model on a remote GPU without the GPU ever seeing your text.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("prepare", help="split a model into a private client bundle and a rotated server bundle",
+                       description="Split a model into a client bundle (keep it private; it holds the secret basis) "
+                                   "and a server bundle (upload it to the GPU pod).")
+    p.add_argument("model", nargs="?", default="default",
+                   help="Hugging Face model id, local model directory or .gguf file "
+                        "(default: the packaged SmolLM2-135M-Instruct)")
+    p.add_argument("--output", type=Path, default=None,
+                   help="write <output>/client and <output>/server (default: ~/.local/share/infemeral/bundles/default)")
+    p.add_argument("--client-dir", type=Path, help="client bundle directory (overrides --output)")
+    p.add_argument("--server-dir", type=Path, help="server bundle directory (overrides --output)")
+    p.add_argument("--client-layers", type=int, default=1, help="decoder layers run on the client (default: 1)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="dtype the bundles are stored in (default: float32)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    g = sub.add_parser("generate", help="answer one prompt, streaming the text",
+                       description="Answer one prompt in a fresh session and stream the answer to stdout.")
+    g.add_argument("prompt", help="the question or instruction ('-' reads it from stdin)")
+    g.add_argument("--system", help="system prompt")
+    _connection_and_sampling(g)
+
+    c = sub.add_parser("chat", help="interactive chat; resumable with --session",
+                       description="Interactive chat. Type a message and press Enter; /exit or Ctrl-D quits, "
+                                   "/reset starts over. With --session NAME the conversation is saved after "
+                                   "every turn and resumed next time.")
+    c.add_argument("--session", help="name of a saved session to resume or create")
+    c.add_argument("--system", help="system prompt for a new session")
+    add_settings_flags(c, ClientSettings, ("sessions_dir",))
+    _connection_and_sampling(c)
+
+    i = sub.add_parser("info", help="show what the server serves")
+    add_settings_flags(i, ClientSettings, CONNECTION)
+
+    d = sub.add_parser("delete", help="delete a saved session here and on the server")
+    d.add_argument("--session", required=True, help="name of the saved session")
+    add_settings_flags(d, ClientSettings, CONNECTION + ("sessions_dir",))
+    return parser
+
+
+def session_path(settings: ClientSettings, name: str) -> Path:
+    if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name) or name.startswith("."):
+        raise InfemeralError("session names may use letters, digits, '.', '_' and '-' (at most 64)")
+    return settings.sessions_dir / f"{name}.session"
+
+
+def cmd_prepare(args) -> int:
+    from infemeral.cloak.prepare import prepare
+    from infemeral.config import DATA_HOME
+
+    output = args.output or DATA_HOME / "bundles" / "default"
+    result = prepare(None if args.model == "default" else args.model, output, client_dir=args.client_dir,
+                     server_dir=args.server_dir, client_layers=args.client_layers, dtype=args.dtype,
+                     progress=not args.quiet)
+    print(f"client bundle (keep private): {result.client_dir}")
+    print(f"server bundle (upload to the pod): {result.server_dir}")
+    print(f"server fingerprint: {result.fingerprint}")
+    return 0
+
+
+def _client(settings: ClientSettings):
+    from infemeral.client.sdk import Client
+
+    return Client(settings.server, settings.client_bundle, timeout=settings.timeout)
+
+
+def _report(result, verbose: bool) -> None:
+    if verbose:
+        print(f"[{result.prompt_tokens} prompt tokens, {result.generated_tokens} generated, "
+              f"finish={result.finish_reason}, first token {result.time_to_first_token:.2f}s, "
+              f"{result.tokens_per_second:.1f} tokens/s, session version {result.version}]", file=sys.stderr)
+
+
+def cmd_generate(args) -> int:
+    settings = settings_from_args(ClientSettings, args)
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    with _client(settings) as client:
+        session = client.new_session(system_prompt=args.system)
+        try:
+            for delta in session.stream(prompt, settings.sampling()):
+                sys.stdout.write(delta)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+            _report(session.last_result, args.verbose)
+        finally:
+            if session.version:
+                session.delete()
+    return 0
+
+
+def cmd_chat(args) -> int:
+    from infemeral.client.sdk import Session
+
+    settings = settings_from_args(ClientSettings, args)
+    path = session_path(settings, args.session) if args.session else None
+    interactive = sys.stdin.isatty()
+    with _client(settings) as client:
+        if path and path.exists():
+            session = Session.load(client, path)
+            print(f"resumed session {args.session!r} ({len(session.messages)} messages)", file=sys.stderr)
+        else:
+            session = client.new_session(system_prompt=args.system)
+        while True:
+            if interactive:
+                print("you> ", end="", flush=True)
+            line = sys.stdin.readline()
+            if not line:
+                break
+            message = line.strip()
+            if not message:
+                continue
+            if message in ("/exit", "/quit"):
+                break
+            if message == "/reset":
+                if session.version:
+                    session.delete()
+                session = client.new_session(system_prompt=args.system)
+                if path:
+                    session.save(path)
+                print("(new conversation)", file=sys.stderr)
+                continue
+            if interactive:
+                print("assistant> ", end="", flush=True)
+            for delta in session.stream(message, settings.sampling()):
+                sys.stdout.write(delta)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            _report(session.last_result, args.verbose)
+            if path:
+                session.save(path)
+    return 0
+
+
+def cmd_info(args) -> int:
+    from google.protobuf import json_format
+
+    settings = settings_from_args(ClientSettings, args)
+    with _client(settings) as client:
+        info = client.server_info()
+        print(json_format.MessageToJson(info, preserving_proto_field_name=True, always_print_fields_with_no_presence=True))
+        match = info.bundle_fingerprint == client.bundle.server_fingerprint
+        print(f"client bundle matches server bundle: {'yes' if match else 'NO'}")
+    return 0 if match else 1
+
+
+def cmd_delete(args) -> int:
+    from infemeral.client.sdk import Session
+
+    settings = settings_from_args(ClientSettings, args)
+    path = session_path(settings, args.session)
+    if not path.exists():
+        raise InfemeralError(f"no saved session named {args.session!r} in {settings.sessions_dir}")
+    with _client(settings) as client:
+        session = Session.load(client, path)
+        if session.version:
+            session.delete()
+    path.unlink()
+    print(f"deleted session {args.session!r}")
+    return 0
+
+
+COMMANDS = {"prepare": cmd_prepare, "generate": cmd_generate, "chat": cmd_chat, "info": cmd_info,
+            "delete": cmd_delete}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return COMMANDS[args.command](args)
+    except InfemeralError as e:
+        print(f"infemeral-client: {e}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError) as e:
+        print(f"infemeral-client: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""Shared fixtures: the real default model, its bundles, and a real gRPC server on localhost."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def reference():
+    """The packaged SmolLM2-135M-Instruct as a plain transformers model (fp32) and its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from infemeral.cloak.sources import default_gguf_path
+
+    path = default_gguf_path()
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    return model, tokenizer
+
+
+@pytest.fixture(scope="session")
+def bundles(reference, tmp_path_factory):
+    """Client and server bundles of the default model, prepared once per test run."""
+    from infemeral.cloak.prepare import prepare
+    from infemeral.cloak.sources import ModelSource
+
+    model, tokenizer = reference
+    out = tmp_path_factory.mktemp("bundles")
+    return prepare(output=out, source=ModelSource(model, tokenizer, "packaged SmolLM2"), progress=False)
+
+
+def start_server(bundles, store: Path, **overrides):
+    from infemeral.config import ServerSettings
+    from infemeral.server.app import Server
+
+    settings = ServerSettings(bundle=bundles.server_dir, listen="127.0.0.1:0", store=str(store),
+                              device="cpu", dtype="float32", **overrides)
+    return Server(settings).start()
+
+
+@pytest.fixture(scope="session")
+def server(bundles, tmp_path_factory):
+    """A real in-process gRPC server on a free localhost port, shared by the session."""
+    srv = start_server(bundles, tmp_path_factory.mktemp("store"))
+    yield srv
+    srv.stop(0)
+
+
+@pytest.fixture(scope="session")
+def client(server, bundles):
+    from infemeral.client.sdk import Client
+
+    c = Client(f"127.0.0.1:{server.port}", bundles.client_dir, timeout=120)
+    yield c
+    c.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_server(bundle_dir: Path, store: Path, port: int, **env_extra) -> subprocess.Popen:
+    """`infemeral-server` as a real separate process; returns once it reports SERVING."""
+    env = dict(os.environ, INFEMERAL_BUNDLE=str(bundle_dir), INFEMERAL_STORE=str(store),
+               INFEMERAL_LISTEN=f"127.0.0.1:{port}", INFEMERAL_DEVICE="cpu", INFEMERAL_DTYPE="float32",
+               **{k: str(v) for k, v in env_extra.items()})
+    proc = subprocess.Popen([sys.executable, "-m", "infemeral.server.main"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wait_serving(f"127.0.0.1:{port}", proc)
+    return proc
+
+
+def wait_serving(address: str, proc: subprocess.Popen | None = None, timeout: float = 120) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"server exited early:\n{proc.stdout.read()}")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                time.sleep(0.3)
+    raise TimeoutError(f"server at {address} did not become healthy")
