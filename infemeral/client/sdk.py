@@ -65,7 +65,7 @@ class Client:
     """A connection to one infemeral server plus the local half of the model."""
 
     def __init__(self, server: str = "127.0.0.1:50051", client_bundle: str | Path | None = None, *,
-                 timeout: float = 600.0, options: list | None = None):
+                 timeout: float = 600.0, options: list | None = None, interceptors: list | None = None):
         from infemeral.config import ClientSettings
 
         bundle_dir = client_bundle if client_bundle is not None else ClientSettings().client_bundle
@@ -82,6 +82,8 @@ class Client:
         self.channel = grpc.insecure_channel(server, options=(options or []) + [
             ("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20),
             ("grpc.keepalive_time_ms", 30_000)])
+        if interceptors:
+            self.channel = grpc.intercept_channel(self.channel, *interceptors)
         self.stub = pb_grpc.InfemeralStub(self.channel)
         self._info: pb.ServerInfo | None = None
 
