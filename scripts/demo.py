@@ -1,0 +1,73 @@
+"""`make demo`: prepare the default bundles (once), start a real server on localhost,
+stream a real answer through it with the real CLI, report speed, stop the server."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BUNDLES = ROOT / ".bundles" / "default"
+QUESTION = os.environ.get("DEMO_QUESTION", "What are three good reasons to learn to cook at home?")
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(address: str, proc: subprocess.Popen, timeout: float = 180) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise SystemExit("server exited during start-up (see its log above)")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                time.sleep(0.5)
+    raise SystemExit("server did not become healthy in time")
+
+
+def main() -> int:
+    if not (BUNDLES / "server" / "manifest.json").exists() or not (BUNDLES / "client" / "manifest.json").exists():
+        print("==> preparing the default model bundles (once; cached in .bundles/)", flush=True)
+        subprocess.run([BIN / "infemeral-client", "prepare", "--output", BUNDLES], check=True)
+    else:
+        print(f"==> using cached bundles in {BUNDLES.relative_to(ROOT)}", flush=True)
+
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    with tempfile.TemporaryDirectory(prefix="infemeral-demo-store-") as store:
+        env = dict(os.environ, INFEMERAL_BUNDLE=str(BUNDLES / "server"), INFEMERAL_STORE=store,
+                   INFEMERAL_LISTEN=address)
+        print(f"==> starting infemeral-server on {address}", flush=True)
+        server = subprocess.Popen([BIN / "infemeral-server", "--log-level", "WARNING"], env=env)
+        try:
+            wait_healthy(address, server)
+            print(f"==> infemeral-client generate {QUESTION!r}\n", flush=True)
+            rc = subprocess.run([BIN / "infemeral-client", "generate", QUESTION, "--server", address,
+                                 "--client-bundle", BUNDLES / "client", "--max-new-tokens", "160", "--verbose"],
+                                env=env).returncode
+        finally:
+            server.send_signal(signal.SIGTERM)
+            server.wait(timeout=30)
+        print(f"\n==> server stopped (exit code {server.returncode})")
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

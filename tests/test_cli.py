@@ -1,0 +1,82 @@
+"""The console scripts as a user runs them: a real server process, real CLI processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from conftest import free_port, spawn_server
+from infemeral.client.sampling import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+
+def run_cli(*args, env=None, stdin=None, timeout=300):
+    return subprocess.run([sys.executable, "-m", "infemeral.client.cli", *map(str, args)], input=stdin,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def server_process(bundles, tmp_path_factory):
+    port = free_port()
+    proc = spawn_server(bundles.server_dir, tmp_path_factory.mktemp("cli-store"), port)
+    yield f"127.0.0.1:{port}"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+
+
+@pytest.fixture
+def cli_env(bundles, server_process, tmp_path):
+    # Configuration by environment variables, as on a laptop.
+    return dict(os.environ, INFEMERAL_SERVER=server_process, INFEMERAL_CLIENT_BUNDLE=str(bundles.client_dir),
+                INFEMERAL_SESSIONS_DIR=str(tmp_path / "sessions"))
+
+
+def test_help_explains_commands():
+    out = run_cli("--help").stdout
+    for command in ("prepare", "generate", "chat", "info", "delete"):
+        assert command in out
+    gen = run_cli("generate", "--help").stdout
+    assert "INFEMERAL_TEMPERATURE" in gen and "--max-new-tokens" in gen
+
+
+def test_generate_streams_the_greedy_answer(cli_env, client):
+    question = "Name a primary colour."
+    expected = client.new_session().chat(question, SamplingParams(max_new_tokens=20)).text
+    proc = run_cli("generate", question, "--max-new-tokens", 20, "--verbose", env=cli_env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == expected.strip()
+    assert "tokens/s" in proc.stderr and "first token" in proc.stderr
+
+
+def test_info_reports_matching_bundle(cli_env):
+    proc = run_cli("info", env=cli_env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert '"hidden_size": 576' in proc.stdout
+    assert "matches server bundle: yes" in proc.stdout
+
+
+def test_chat_session_resumes_across_processes(cli_env, tmp_path):
+    first = run_cli("chat", "--session", "trip", "--max-new-tokens", 16, env=cli_env,
+                    stdin="My name is Ada. Remember it.\n")
+    assert first.returncode == 0, first.stderr
+    saved = tmp_path / "sessions" / "trip.session"
+    assert saved.exists() and (saved.stat().st_mode & 0o777) == 0o600
+    second = run_cli("chat", "--session", "trip", "--max-new-tokens", 16, env=cli_env,
+                     stdin="What is my name?\n")
+    assert second.returncode == 0, second.stderr
+    assert "resumed session 'trip' (2 messages)" in second.stderr
+    deleted = run_cli("delete", "--session", "trip", env=cli_env)
+    assert deleted.returncode == 0, deleted.stderr
+    assert not saved.exists()
+
+
+def test_wrong_bundle_gives_an_actionable_error(cli_env, tmp_path):
+    env = dict(cli_env, INFEMERAL_CLIENT_BUNDLE=str(tmp_path / "nowhere"))
+    proc = run_cli("generate", "hi", env=env)
+    assert proc.returncode == 2
+    assert "not an infemeral bundle" in proc.stderr and "prepare" in proc.stderr
