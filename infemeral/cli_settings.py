@@ -15,7 +15,8 @@ def add_settings_flags(parser: argparse.ArgumentParser, settings_cls: type[BaseS
             continue
         flag = "--" + name.replace("_", "-")
         env = (prefix + name).upper()
-        help_text = f"{field.description} (env {env}; default: {field.default})"
+        default = field.get_default(call_default_factory=True)
+        help_text = f"{field.description} (env {env}; default: {default})"
         if name == "stop":
             parser.add_argument(flag, dest=name, default=None, action="append", help=help_text)
         elif field.annotation is bool:

@@ -43,7 +43,7 @@ class ClientSettings(BaseSettings):
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass (1: off)")
     repetition_penalty: float = Field(1.0, gt=0, description="penalty for tokens already in the context (1: off)")
     seed: int | None = Field(None, description="random seed for reproducible sampling")
-    stop: list[str] = Field(default_factory=list, description="stop strings (repeat the flag for several)")
+    stop: list[str] = Field(default_factory=list, description="stop strings; repeat the flag for several (env: a JSON list)")
 
     def sampling(self):
         from infemeral.client.sampling import SamplingParams
