@@ -45,6 +45,12 @@ CONFIGS = {
     "qwen2": lambda: Qwen2Config(**COMMON),
     "qwen3": lambda: Qwen3Config(head_dim=16, **COMMON),
     "mistral": lambda: MistralConfig(**COMMON),
+    # Native sliding windows shorter than the test sequence, so the window mask really matters.
+    "mistral-window": lambda: MistralConfig(**{**COMMON, "sliding_window": 4}),
+    "qwen2-window": lambda: Qwen2Config(**{**COMMON, "sliding_window": 4, "use_sliding_window": True,
+                                           "max_window_layers": 2}),
+    "qwen3-window": lambda: Qwen3Config(head_dim=16, **{**COMMON, "sliding_window": 5, "use_sliding_window": True,
+                                                        "max_window_layers": 1}),
 }
 
 PROMPT_LEN = 10
@@ -140,9 +146,10 @@ def test_split_matches_plain_model(family, client_layers, tmp_path):
     assert torch.equal(split.argmax(-1), plain.argmax(-1))
 
 
-def test_split_multi_token_steps_match(tmp_path):
-    """Steps of several tokens (speculative drafts) are exact too."""
-    model = build(CONFIGS["llama-bias"](), seed=3)
+@pytest.mark.parametrize("family", ["llama-bias", "qwen2-window"])
+def test_split_multi_token_steps_match(family, tmp_path):
+    """Steps of several tokens (speculative drafts) are exact too, also across a sliding window."""
+    model = build(CONFIGS[family](), seed=3)
     client, server = prepared(model, tmp_path)
     ids = token_ids(17, seed=4)
     split = split_logits(client, server, ids, [7, 3, 1, 4, 2])
