@@ -9,8 +9,9 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from infemeral.client.health import wait_until_serving
 
 ROOT = Path(__file__).resolve().parent.parent
 BUNDLES = ROOT / ".bundles" / "default"
@@ -22,24 +23,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def wait_healthy(address: str, proc: subprocess.Popen, timeout: float = 180) -> None:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise SystemExit("server exited during start-up (see its log above)")
-            try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                time.sleep(0.5)
-    raise SystemExit("server did not become healthy in time")
 
 
 def main() -> int:
@@ -57,7 +40,7 @@ def main() -> int:
         print(f"==> starting infemeral-server on {address}", flush=True)
         server = subprocess.Popen([BIN / "infemeral-server", "--log-level", "WARNING"], env=env)
         try:
-            wait_healthy(address, server)
+            wait_until_serving(address, server, timeout=180)
             print(f"==> infemeral-client generate {QUESTION!r}\n", flush=True)
             rc = subprocess.run([BIN / "infemeral-client", "generate", QUESTION, "--server", address,
                                  "--client-bundle", BUNDLES / "client", "--max-new-tokens", "160", "--verbose"],

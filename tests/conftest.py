@@ -6,12 +6,12 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import grpc
 import pytest
 import torch
+
+from infemeral.client.health import wait_until_serving
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -84,17 +84,7 @@ def spawn_server(bundle_dir: Path, store: Path, port: int, **env_extra) -> subpr
 
 
 def wait_serving(address: str, proc: subprocess.Popen | None = None, timeout: float = 120) -> None:
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if proc is not None and proc.poll() is not None:
-                raise RuntimeError(f"server exited early:\n{proc.stdout.read()}")
-            try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                time.sleep(0.3)
-    raise TimeoutError(f"server at {address} did not become healthy")
+    try:
+        wait_until_serving(address, proc, timeout)
+    except RuntimeError:
+        raise RuntimeError(f"server exited early:\n{proc.stdout.read()}") from None
