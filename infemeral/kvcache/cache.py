@@ -31,7 +31,10 @@ class KVCache:
         self._v = [self._alloc(cap) for _ in range(num_layers)]
 
     def _alloc(self, cap: int) -> torch.Tensor:
-        return torch.zeros(1, self.kv_heads, cap, self.head_dim, dtype=self.dtype, device=self.device)
+        # Always a normal tensor, even when the cache grows inside torch.inference_mode() (the layers' forward):
+        # an inference tensor cannot be updated in place outside that mode, so wipe() and load_layer() would fail.
+        with torch.inference_mode(False):
+            return torch.zeros(1, self.kv_heads, cap, self.head_dim, dtype=self.dtype, device=self.device)
 
     @property
     def capacity(self) -> int:

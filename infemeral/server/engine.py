@@ -121,6 +121,7 @@ class Engine:
                                "it may have expired or been deleted — start a new session")
             return
         header, _, _ = sealed.read_header(blob)
+        sealed.check_key(header, turn.keys)  # prove ownership before saying anything about the stored state
         if header.version != expected_version:
             raise Aborted(f"stored session is at version {header.version} but the client expects version "
                           f"{expected_version}; another client moved it on or an old copy was restored")
@@ -169,10 +170,12 @@ class Engine:
             if turn.closed:
                 return
             turn.closed = True
-        turn.cache.wipe()
-        with self._active_lock:
-            if self._active.get(turn.session_id) is turn:
-                del self._active[turn.session_id]
+        try:
+            turn.cache.wipe()
+        finally:  # never leave the session locked in a turn, even if wiping failed
+            with self._active_lock:
+                if self._active.get(turn.session_id) is turn:
+                    del self._active[turn.session_id]
 
     def delete_session(self, session_id: bytes, session_key: bytes) -> None:
         if len(session_id) != SESSION_ID_BYTES or len(session_key) != SESSION_KEY_BYTES:
