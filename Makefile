@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # CPU build of torch; on a CUDA pod install the matching CUDA build first.
 TORCH  ?= torch==2.13.0
 
-.PHONY: demo test setup protos clean
+.PHONY: demo test setup protos clean redis-server
 
 setup: $(STAMP)
 
@@ -21,8 +21,15 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/python scripts/demo.py
 
-test: $(STAMP)
+test: $(STAMP) redis-server
 	$(BIN)/python -m pytest -q -ra
+
+# The Redis store's tests start a real redis-server; install it when missing.
+redis-server:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  echo "installing redis-server"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server >/dev/null; }
 
 protos: $(STAMP)
 	$(BIN)/python scripts/gen_protos.py

@@ -17,7 +17,9 @@ class ServerSettings(BaseSettings):
 
     bundle: Path = Field(DATA_HOME / "bundles" / "default" / "server", description="server bundle directory")
     listen: str = Field("127.0.0.1:50051", description="host:port to listen on")
-    store: str = Field(str(DATA_HOME / "store"), description="session store: a directory path or file:///path")
+    store: str = Field(str(DATA_HOME / "store"),
+                       description="session store: a directory path, file:///path or redis://host:port/db")
+    session_ttl_seconds: float = Field(7 * 24 * 3600, gt=0, description="sessions idle this long are deleted")
     device: str = Field("auto", description="cpu, cuda, cuda:N or auto")
     dtype: str = Field("auto", description="float32, bfloat16, float16 or auto (float32 on CPU, bfloat16 on CUDA)")
     max_step_tokens: int = Field(2048, ge=1, description="most tokens one step may carry")

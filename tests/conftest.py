@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -66,6 +68,51 @@ def client(server, bundles):
     c.close()
 
 
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory):
+    """A real redis-server on a free localhost port (`make test` installs it when missing)."""
+    import redis
+
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.fail("redis-server is not installed; `make test` installs it (apt-get install redis-server)")
+    port = free_port()
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", str(tmp_path_factory.mktemp("redis"))],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            redis.Redis.from_url(url).ping()
+            break
+        except redis.exceptions.ConnectionError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise
+            time.sleep(0.1)
+    yield url
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def redis_client(bundles, redis_url):
+    """A real server whose session store is Redis, and a client for it."""
+    from infemeral.client.sdk import Client
+
+    srv = start_server(bundles, redis_url)
+    c = Client(f"127.0.0.1:{srv.port}", bundles.client_dir, timeout=120)
+    yield c
+    c.close()
+    srv.stop(0)
+
+
+@pytest.fixture(params=["directory", "redis"])
+def any_client(request):
+    """The same tests against a directory-backed and a Redis-backed server."""
+    return request.getfixturevalue("client" if request.param == "directory" else "redis_client")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -88,3 +135,33 @@ def wait_serving(address: str, proc: subprocess.Popen | None = None, timeout: fl
         wait_until_serving(address, proc, timeout)
     except RuntimeError:
         raise RuntimeError(f"server exited early:\n{proc.stdout.read()}") from None
+
+
+class StoredSession:
+    """What a directory store holds for one session, read as one snapshot (manifest + chunks)."""
+
+    def __init__(self, store_root, session_id: bytes):
+        self.folder = Path(store_root) / session_id.hex()
+
+    def exists(self) -> bool:
+        return (self.folder / "manifest").exists()
+
+    def files(self) -> dict[str, bytes]:
+        if not self.exists():
+            raise FileNotFoundError(self.folder / "manifest")
+        return {p.name: p.read_bytes() for p in sorted(self.folder.iterdir())
+                if p.name == "manifest" or p.name.startswith("chunk-")}
+
+    def read_bytes(self) -> bytes:
+        """All stored bytes of the session, in a canonical order, for before/after comparisons."""
+        return b"".join(name.encode() + b"\0" + len(data).to_bytes(8, "little") + data
+                        for name, data in self.files().items())
+
+    def restore(self, files: dict[str, bytes]) -> None:
+        """Put back exactly `files` (as a backup restore would)."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        for p in self.folder.iterdir():
+            if p.name == "manifest" or p.name.startswith("chunk-"):
+                p.unlink()
+        for name, data in files.items():
+            (self.folder / name).write_bytes(data)

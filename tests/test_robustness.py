@@ -20,7 +20,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from conftest import free_port, spawn_server
+from conftest import StoredSession, free_port, spawn_server
 
 from infemeral.client.sampling import SamplingParams
 from infemeral.client.sdk import Client
@@ -35,8 +35,8 @@ SHORT = SamplingParams(max_new_tokens=3)
 LONG_ANSWER = "Write a very long and detailed story about a dragon who learns to bake bread."
 
 
-def blob_path(store, session) -> Path:
-    return Path(store) / f"{session.id.hex()}.kv"
+def blob_path(store, session) -> StoredSession:
+    return StoredSession(store, session.id)
 
 
 def in_turn(server, session) -> bool:
@@ -215,7 +215,8 @@ def test_server_killed_mid_turn_then_sigterm_is_graceful(bundles, tmp_path):
         # The client rolled back; the store still holds the committed turn 1, nothing torn.
         assert (session.version, len(session.history_ids), session.cache.length) == state
         assert path.read_bytes() == blob
-        assert [p.name for p in store.iterdir()] == [path.name]
+        assert [p.name for p in store.iterdir()] == [path.folder.name]
+        assert not [p for p in path.folder.iterdir() if p.name.startswith(".tmp-")]
 
         # A new server on the same store: the session resumes from its saved file.
         port = free_port()

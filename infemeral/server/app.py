@@ -28,8 +28,9 @@ class Server:
 
     def __init__(self, settings: ServerSettings):
         self.settings = settings
+        self._stopped = threading.Event()
         bundle = ServerBundle.open(settings.bundle, verify=settings.verify_bundle)
-        self.engine = Engine(bundle, open_store(settings.store), device=settings.device, dtype=settings.dtype,
+        self.engine = Engine(bundle, open_store(settings.store, settings.session_ttl_seconds), device=settings.device, dtype=settings.dtype,
                              max_step_tokens=settings.max_step_tokens, max_context=settings.max_context,
                              max_sessions=settings.max_sessions)
         self.max_message_bytes = settings.max_step_tokens * bundle.config.hidden_size * 4 + WIRE_OVERHEAD
@@ -54,17 +55,32 @@ class Server:
 
     def start(self) -> "Server":
         self.grpc_server.start()
+        self._purger = threading.Thread(target=self._purge_loop, name="infemeral-purge", daemon=True)
+        self._purger.start()
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("listening on %s (port %d)", self.settings.listen, self.port)
         return self
+
+    def _purge_loop(self) -> None:
+        """Delete expired sessions now and then (Redis expires keys by itself)."""
+        interval = min(600.0, max(1.0, self.settings.session_ttl_seconds / 4))
+        while not self._stopped.wait(interval):
+            try:
+                purged = self.engine.store.purge_expired()
+                if purged:
+                    log.info("purged %d expired sessions", purged)
+            except OSError as e:
+                log.warning("session purge failed: %s", type(e).__name__)
 
     def stop(self, grace: float | None = None) -> None:
         """Stop taking new turns, let open ones finish within `grace` seconds, then stop."""
         self.health.enter_graceful_shutdown()
         self.engine._stopping = True
         self.grpc_server.stop(self.settings.grace_seconds if grace is None else grace).wait()
+        self._stopped.set()
         self.engine.stop()
+        self.engine.store.close()
 
     def wait(self) -> None:
         self.grpc_server.wait_for_termination()

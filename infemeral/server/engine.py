@@ -12,23 +12,26 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
 
 from infemeral.cloak.bundle import ServerBundle, dtype_name
-from infemeral.errors import (Aborted, FailedPrecondition, InvalidArgument, NotFound, OutOfRange,
+from infemeral.errors import (Aborted, FailedPrecondition, InvalidArgument, OutOfRange,
                               ResourceExhausted, Unavailable)
-from infemeral.kvcache import sealed
+from infemeral.kvcache.persistence import SessionPersistence
+from infemeral.kvcache.stored import Manifest, SessionKeys
 from infemeral.kvcache.cache import KVCache
 from infemeral.model.layers import LayerStack
-from infemeral.storage.base import Store
+from infemeral.storage.base import SessionLock, Store
 
 log = logging.getLogger(__name__)
 
 SESSION_ID_BYTES = 16
 SESSION_KEY_BYTES = 32
+LOCK_REFRESH_SECONDS = 10.0
 
 
 def resolve_device(device: str) -> torch.device:
@@ -54,11 +57,15 @@ def short_id(session_id: bytes) -> str:
 @dataclass
 class Turn:
     session_id: bytes
-    keys: sealed.SessionKeys
+    keys: SessionKeys
     version: int
     cache: KVCache
+    lock: SessionLock | None = None      # the store's cross-replica hold on the session
+    manifest: Manifest | None = None     # the committed state this turn started from
+    low_water: int = 0                   # shortest the cache got during the turn (truncations)
+    refreshed_at: float = field(default_factory=time.monotonic)
     closed: bool = False
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    guard: threading.Lock = field(default_factory=threading.Lock)
 
 
 class Engine:
@@ -66,6 +73,7 @@ class Engine:
                  max_step_tokens: int = 2048, max_context: int = 8192, max_sessions: int = 64):
         self.bundle = bundle
         self.store = store
+        self.persistence = SessionPersistence(store, bundle.fingerprint)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.max_step_tokens = max_step_tokens
@@ -103,7 +111,7 @@ class Engine:
                               "(one turn at a time per session)")
             if len(self._active) >= self.max_sessions:
                 raise ResourceExhausted(f"server is serving its limit of {self.max_sessions} turns; retry shortly")
-            turn = Turn(session_id, sealed.SessionKeys.derive(session_id, session_key), 0, self.layers.new_cache())
+            turn = Turn(session_id, SessionKeys.derive(session_id, session_key), 0, self.layers.new_cache())
             self._active[session_id] = turn
         try:
             self._load(turn, expected_version)
@@ -114,21 +122,10 @@ class Engine:
         return turn
 
     def _load(self, turn: Turn, expected_version: int) -> None:
-        blob = self.store.read(turn.session_id)
-        if blob is None:
-            if expected_version != 0:
-                raise NotFound(f"no stored state for this session (client expects version {expected_version}); "
-                               "it may have expired or been deleted — start a new session")
-            return
-        header, _, _ = sealed.read_header(blob)
-        sealed.check_key(header, turn.keys)  # prove ownership before saying anything about the stored state
-        if header.version != expected_version:
-            raise Aborted(f"stored session is at version {header.version} but the client expects version "
-                          f"{expected_version}; another client moved it on or an old copy was restored")
-        if header.fingerprint != self.bundle.fingerprint:
-            raise FailedPrecondition("stored session was made with a different server bundle and cannot be resumed")
-        sealed.unseal(blob, turn.keys, turn.cache)
-        turn.version = header.version
+        turn.lock = self.persistence.lock(turn.session_id)
+        turn.manifest = self.persistence.load(turn.session_id, turn.keys, expected_version, turn.cache)
+        turn.version = turn.manifest.version if turn.manifest else 0
+        turn.low_water = turn.cache.length
 
     def step(self, turn: Turn, hidden: torch.Tensor, cache_length: int, outputs: int = 1) -> torch.Tensor:
         """Run new positions through the served layers; return the last `outputs` residuals."""
@@ -140,6 +137,9 @@ class Engine:
             raise OutOfRange(f"this step would grow the session to {turn.cache.length + n} tokens, over the "
                              f"server's max_context of {self.max_context}; start a new session")
         outputs = outputs or 1
+        if time.monotonic() - turn.refreshed_at > LOCK_REFRESH_SECONDS:
+            turn.lock.refresh()  # keep the cross-replica lease alive during long turns
+            turn.refreshed_at = time.monotonic()
         if not 1 <= outputs <= n:
             raise InvalidArgument(f"outputs must be between 1 and the step's {n} tokens, got {outputs}")
         future: Future = Future()
@@ -152,27 +152,29 @@ class Engine:
         if tokens > turn.cache.length:
             raise InvalidArgument(f"cannot drop {tokens} tokens from a cache of {turn.cache.length}")
         turn.cache.truncate(tokens)
+        turn.low_water = min(turn.low_water, turn.cache.length)
         return turn.cache.length
 
     def commit(self, turn: Turn) -> int:
-        new_version = turn.version + 1
-        blob = sealed.seal(turn.cache, turn.keys, new_version, self.bundle.fingerprint)
-        self.store.write(turn.session_id, blob)
-        turn.version = new_version
+        manifest = self.persistence.commit(turn.session_id, turn.keys, turn.cache, turn.manifest, turn.low_water,
+                                           turn.lock)
+        turn.manifest, turn.version, turn.low_water = manifest, manifest.version, turn.cache.length
         turn.cache.commit()
-        log.info("turn committed session=%s version=%d length=%d bytes=%d", short_id(turn.session_id),
-                 new_version, turn.cache.length, len(blob))
-        return new_version
+        log.info("turn committed session=%s version=%d length=%d chunks=%d", short_id(turn.session_id),
+                 manifest.version, manifest.length, len(manifest.chunks))
+        return manifest.version
 
     def close_turn(self, turn: Turn) -> None:
         """End a turn, committed or not: wipe plaintext and release the session."""
-        with turn.lock:
+        with turn.guard:
             if turn.closed:
                 return
             turn.closed = True
         try:
             turn.cache.wipe()
         finally:  # never leave the session locked in a turn, even if wiping failed
+            if turn.lock is not None:
+                turn.lock.release()
             with self._active_lock:
                 if self._active.get(turn.session_id) is turn:
                     del self._active[turn.session_id]
@@ -183,12 +185,11 @@ class Engine:
         with self._active_lock:
             if session_id in self._active:
                 raise Aborted("this session is in a turn; delete it when the turn has ended")
-        blob = self.store.read(session_id)
-        if blob is None:
-            raise NotFound("no such session (it may have expired or been deleted already)")
-        header, _, _ = sealed.read_header(blob)
-        sealed.check_key(header, sealed.SessionKeys.derive(session_id, session_key))
-        self.store.delete(session_id)
+        lock = self.persistence.lock(session_id)
+        try:
+            self.persistence.delete(session_id, SessionKeys.derive(session_id, session_key))
+        finally:
+            lock.release()
         log.info("session deleted session=%s", short_id(session_id))
 
     @property

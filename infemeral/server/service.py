@@ -17,8 +17,10 @@ from infemeral.errors import InvalidArgument, StatusError
 from infemeral.protocol import PROTOCOL_VERSION, pb, pb_grpc
 from infemeral.protocol.tensors import from_proto, to_proto
 from infemeral.server.engine import Engine
+from infemeral.storage.base import store_errors
 
 log = logging.getLogger(__name__)
+STORE_ERRORS = store_errors()
 
 
 class InfemeralService(pb_grpc.InfemeralServicer):
@@ -55,7 +57,7 @@ class InfemeralService(pb_grpc.InfemeralServicer):
                     raise InvalidArgument(f"unexpected message {kind!r} inside a turn")
         except StatusError as e:
             context.abort(e.code, e.message)
-        except OSError as e:
+        except STORE_ERRORS as e:
             log.error("store error: %s", type(e).__name__)
             context.abort(grpc.StatusCode.UNAVAILABLE, "session store is unavailable; the session is unchanged, retry")
         finally:
@@ -77,4 +79,7 @@ class InfemeralService(pb_grpc.InfemeralServicer):
             self.engine.delete_session(request.session_id, request.session_key)
         except StatusError as e:
             context.abort(e.code, e.message)
+        except STORE_ERRORS as e:
+            log.error("store error: %s", type(e).__name__)
+            context.abort(grpc.StatusCode.UNAVAILABLE, "session store is unavailable; retry")
         return pb.DeleteSessionResponse()

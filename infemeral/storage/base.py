@@ -1,37 +1,115 @@
-"""The storage interface: opaque, already-encrypted blobs keyed by session id.
+"""The storage interface: opaque, already-encrypted bytes, grouped by session.
 
-Backends never see keys or plaintext; they only need atomic replace, read and
-delete. `open_store` picks a backend from a URL-ish string.
+A session is stored as immutable *chunks* (encrypted KV segments, written once)
+and one small *manifest* that names the chunks making up the committed state.
+Committing is: write the new chunk durably, then replace the manifest
+atomically (guarded by the session lock's fencing token), then drop chunks the
+manifest no longer names. A crash at any point leaves the old or the new
+manifest, each naming chunks that exist. Backends never see keys or plaintext.
 """
 
 from __future__ import annotations
 
 import abc
+import threading
 from pathlib import Path
+
+from infemeral.errors import Aborted
+
+
+class SessionBusy(Aborted):
+    """Another turn (here or on another replica) holds the session."""
+
+
+class SessionLock(abc.ABC):
+    """One turn's exclusive hold on a session, with a fencing token."""
+
+    token: str
+
+    @abc.abstractmethod
+    def refresh(self) -> None:
+        """Extend the hold; raise SessionBusy if it was lost."""
+
+    @abc.abstractmethod
+    def release(self) -> None:
+        ...
 
 
 class Store(abc.ABC):
-    @abc.abstractmethod
-    def read(self, session_id: bytes) -> bytes | None:
-        """The session's stored blob, or None if there is none."""
+    def __init__(self, ttl_seconds: float):
+        self.ttl_seconds = ttl_seconds
+        self._counter_lock = threading.Lock()
+        self.bytes_written = 0
+        self.writes = 0
+
+    def _count(self, n: int) -> None:
+        with self._counter_lock:
+            self.bytes_written += n
+            self.writes += 1
 
     @abc.abstractmethod
-    def write(self, session_id: bytes, data: bytes) -> None:
-        """Replace the session's blob atomically: readers see the old or the new bytes, never a mix."""
+    def lock(self, session_id: bytes, lease_seconds: float = 60.0) -> SessionLock:
+        """Take the session for one turn; raise SessionBusy if another turn holds it."""
 
     @abc.abstractmethod
-    def delete(self, session_id: bytes) -> bool:
+    def read_manifest(self, session_id: bytes) -> bytes | None:
+        """The committed manifest, or None for an unknown or expired session."""
+
+    @abc.abstractmethod
+    def write_chunk(self, session_id: bytes, name: str, data: bytes) -> None:
+        """Store a chunk durably (it is not yet part of the session)."""
+
+    @abc.abstractmethod
+    def read_chunk(self, session_id: bytes, name: str) -> bytes | None:
+        ...
+
+    @abc.abstractmethod
+    def commit_manifest(self, session_id: bytes, data: bytes, lock: SessionLock) -> None:
+        """Atomically replace the manifest, only while `lock` still holds the session."""
+
+    @abc.abstractmethod
+    def list_chunks(self, session_id: bytes) -> list[str]:
+        ...
+
+    @abc.abstractmethod
+    def delete_chunks(self, session_id: bytes, names: list[str]) -> None:
+        ...
+
+    @abc.abstractmethod
+    def delete_session(self, session_id: bytes) -> bool:
         """Remove everything stored for the session; False if there was nothing."""
 
+    @abc.abstractmethod
+    def purge_expired(self) -> int:
+        """Delete sessions idle for longer than the TTL; return how many."""
 
-def open_store(url: str | Path) -> Store:
-    """`file:///path`, `dir:///path` or a plain path: a local directory store."""
+    def close(self) -> None:
+        pass
+
+
+def store_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean "the store is unreachable or failed" (answered as UNAVAILABLE)."""
+    errors: tuple[type[BaseException], ...] = (OSError,)
+    try:
+        import redis
+
+        errors += (redis.exceptions.RedisError,)
+    except ImportError:
+        pass
+    return errors
+
+
+def open_store(url: str | Path, ttl_seconds: float = 7 * 24 * 3600) -> Store:
+    """A store from a URL: a plain path or file:///path (local directory), redis://host:port/db."""
+    text = str(url)
+    if text.startswith(("redis://", "rediss://", "unix://")):
+        from infemeral.storage.redis_store import RedisStore
+
+        return RedisStore(text, ttl_seconds)
+    if text.startswith("file://"):
+        text = text[len("file://"):]
+    elif "://" in text:
+        raise ValueError(f"unsupported store URL {text!r}; use a directory path, file:///path or redis://host:port/db")
     from infemeral.storage.directory import DirectoryStore
 
-    text = str(url)
-    for prefix in ("file://", "dir://"):
-        if text.startswith(prefix):
-            return DirectoryStore(Path(text[len(prefix):]))
-    if "://" in text:
-        raise ValueError(f"unsupported store URL {text!r}; use a directory path or file:///path")
-    return DirectoryStore(Path(text))
+    return DirectoryStore(Path(text), ttl_seconds)

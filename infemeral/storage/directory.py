@@ -1,55 +1,148 @@
-"""Local-directory store: one file per session, replaced atomically.
+"""Local-directory store: one folder per session, crash-safe writes, flock-based turn lock.
 
-Write goes to a temp file in the same directory, is fsynced, renamed over the
-old file, and the directory is fsynced, so a crash at any moment leaves either
-the old or the new blob, never a torn one.
+Every file is written to a temp file in the same folder, fsynced, renamed into
+place, and the folder fsynced, so readers and crashes see old or new bytes,
+never a torn file. The turn lock is an flock on the session's lock file: the
+kernel drops it when the holding process dies, so a crashed server never leaves
+a session locked. (flock is per host; replicas on several hosts share sessions
+through the Redis store.)
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
+import secrets
+import shutil
 import tempfile
+import time
 from pathlib import Path
 
-from infemeral.storage.base import Store
+from infemeral.storage.base import SessionBusy, SessionLock, Store
+
+MANIFEST = "manifest"
+LOCK = "lock"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _FileLock(SessionLock):
+    def __init__(self, fd: int, folder: Path):
+        self.fd = fd
+        self.folder = folder
+        self.token = secrets.token_hex(8)
+
+    def refresh(self) -> None:
+        if self.fd < 0:
+            raise SessionBusy("the session's turn lock was released")
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            if not (self.folder / MANIFEST).exists():  # nothing was committed: leave no trace
+                shutil.rmtree(self.folder, ignore_errors=True)
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = -1
 
 
 class DirectoryStore(Store):
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, ttl_seconds: float = 7 * 24 * 3600):
+        super().__init__(ttl_seconds)
         self.root = Path(root).expanduser()
         self.root.mkdir(parents=True, exist_ok=True)
         os.chmod(self.root, 0o700)
 
-    def path(self, session_id: bytes) -> Path:
-        return self.root / f"{session_id.hex()}.kv"
+    def folder(self, session_id: bytes) -> Path:
+        return self.root / session_id.hex()
 
-    def read(self, session_id: bytes) -> bytes | None:
-        try:
-            return self.path(session_id).read_bytes()
-        except FileNotFoundError:
-            return None
-
-    def write(self, session_id: bytes, data: bytes) -> None:
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=self.root)
+    def _write(self, folder: Path, name: str, data: bytes) -> None:
+        folder.mkdir(mode=0o700, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=folder)
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, self.path(session_id))
+            os.replace(tmp, folder / name)
         except BaseException:
             if os.path.exists(tmp):
                 os.unlink(tmp)
             raise
-        dir_fd = os.open(self.root, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        _fsync_dir(folder)
+        self._count(len(data))
 
-    def delete(self, session_id: bytes) -> bool:
+    def lock(self, session_id: bytes, lease_seconds: float = 60.0) -> SessionLock:
+        folder = self.folder(session_id)
+        folder.mkdir(mode=0o700, exist_ok=True)
+        fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            self.path(session_id).unlink()
-            return True
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise SessionBusy("this session is in a turn on another connection or server; "
+                              "wait for it to finish (one turn at a time per session)") from None
+        return _FileLock(fd, folder)
+
+    def read_manifest(self, session_id: bytes) -> bytes | None:
+        path = self.folder(session_id) / MANIFEST
+        try:
+            if time.time() - path.stat().st_mtime > self.ttl_seconds:
+                return None
+            return path.read_bytes()
         except FileNotFoundError:
-            return False
+            return None
+
+    def write_chunk(self, session_id: bytes, name: str, data: bytes) -> None:
+        self._write(self.folder(session_id), name, data)
+
+    def read_chunk(self, session_id: bytes, name: str) -> bytes | None:
+        try:
+            return (self.folder(session_id) / name).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def commit_manifest(self, session_id: bytes, data: bytes, lock: SessionLock) -> None:
+        lock.refresh()
+        self._write(self.folder(session_id), MANIFEST, data)
+
+    def list_chunks(self, session_id: bytes) -> list[str]:
+        folder = self.folder(session_id)
+        if not folder.exists():
+            return []
+        return sorted(p.name for p in folder.iterdir() if p.name.startswith("chunk-"))
+
+    def delete_chunks(self, session_id: bytes, names: list[str]) -> None:
+        for name in names:
+            (self.folder(session_id) / name).unlink(missing_ok=True)
+
+    def delete_session(self, session_id: bytes) -> bool:
+        folder = self.folder(session_id)
+        existed = (folder / MANIFEST).exists()
+        shutil.rmtree(folder, ignore_errors=True)
+        return existed
+
+    def purge_expired(self) -> int:
+        now, purged = time.time(), 0
+        for folder in self.root.iterdir():
+            manifest = folder / MANIFEST
+            try:
+                idle = now - manifest.stat().st_mtime
+            except FileNotFoundError:
+                continue
+            if idle > self.ttl_seconds:
+                try:
+                    lock = self.lock(bytes.fromhex(folder.name))
+                except (SessionBusy, ValueError):
+                    continue
+                try:
+                    shutil.rmtree(folder, ignore_errors=True)
+                    purged += 1
+                finally:
+                    lock.release()
+        return purged
