@@ -33,7 +33,7 @@ MAX_STEP, MAX_CONTEXT = 64, 200  # limits of the `limited` server
 def limited(bundles, tmp_path_factory):
     """A second real server, on its own store, with small limits; and an SDK client for it."""
     srv = start_server(bundles, tmp_path_factory.mktemp("limited-store"), max_step_tokens=MAX_STEP,
-                       max_context=MAX_CONTEXT)
+                       max_context=MAX_CONTEXT, window=False)
     c = Client(f"127.0.0.1:{srv.port}", bundles.client_dir, timeout=120)
     yield srv, c
     c.close()

@@ -110,6 +110,9 @@ def _report(result, verbose: bool) -> None:
         print(f"[{result.prompt_tokens} prompt tokens, {result.generated_tokens} generated, "
               f"finish={result.finish_reason}, first token {result.time_to_first_token:.2f}s, "
               f"{result.tokens_per_second:.1f} tokens/s, session version {result.version}]", file=sys.stderr)
+        if result.evicted_tokens:
+            print(f"[context window full: the oldest {result.evicted_tokens} tokens were dropped "
+                  f"({result.cache_length} kept)]", file=sys.stderr)
 
 
 def cmd_generate(args) -> int:

@@ -32,6 +32,7 @@ class ClientModel:
         self.norm.weight.data = tensors["norm.weight"].to(dtype)
         self.norm.requires_grad_(False)
         self.basis = bundle.basis().to(dtype)
+        self.inv_freq = self.layers.rotary.inv_freq.detach().to(torch.float64)  # pure RoPE angles for the window
 
     @property
     def hidden_size(self) -> int:

@@ -33,6 +33,8 @@ from infemeral.cloak.bundle import ClientBundle
 from infemeral.client.local_model import ClientModel
 from infemeral.client.sampling import Sampler, SamplingParams
 from infemeral.errors import Aborted, FailedPrecondition, InfemeralError, StatusError, from_rpc_error
+from infemeral.kvcache.cache import KVCache
+from infemeral.kvcache.window import WindowPolicy, apply_window
 from infemeral.protocol import pb, pb_grpc
 from infemeral.protocol.tensors import WIRE_DTYPES, from_proto, to_proto
 
@@ -54,6 +56,7 @@ class TurnResult:
     version: int = 0
     cache_length: int = 0
     truncated_tokens: int = 0
+    evicted_tokens: int = 0  # tokens the sliding window dropped during this turn
 
     @property
     def tokens_per_second(self) -> float:
@@ -150,7 +153,14 @@ class _TurnStream:
         return getattr(response, kind)
 
     def close(self) -> None:
+        """End the stream. Half-close first and wait for the server to finish the call, so that the
+        session is released on the server before the next turn opens; then make sure it is over."""
         self._requests.put(None)
+        try:
+            for _ in self._responses:
+                pass
+        except grpc.RpcError:
+            pass
         self._responses.cancel()
 
 
@@ -195,7 +205,12 @@ class Session:
         if keep == len(target_ids):  # always send at least one token to get logits
             keep -= 1
         drop = len(self.history_ids) - keep
-        undo = self.cache.clone() if drop else None
+        undo: list[KVCache] = []  # a copy of the committed local cache, taken before it is first rewritten
+
+        def keep_undo() -> None:
+            if not undo:
+                undo.append(self.cache.clone())
+
         result = TurnResult(truncated_tokens=drop)
         stream = None
         committed = False
@@ -210,22 +225,34 @@ class Session:
                 raise Aborted(f"server holds {opened.cache_length} tokens for this session but the client holds "
                               f"{self.cache.length}; the session file is out of date")
             if drop:
+                if drop > self.cache.length:
+                    raise Aborted("the transcript changed further back than the cache reaches; start a new session")
+                keep_undo()
                 stream.call(pb.TurnRequest(truncate=pb.Truncate(tokens=drop, cache_length=self.cache.length)),
                             "truncated")
                 self.cache.truncate(drop)
 
+            window = WindowPolicy(info.max_context, info.sink_tokens, info.page_size or 1, enabled=info.window)
+
             def step(ids: list[int]) -> torch.Tensor:
+                before = self.cache.length
+                evict = window.tokens_to_evict(before, len(ids))
+                if evict:
+                    keep_undo()
+                    apply_window(self.cache, window, len(ids), model.inv_freq)
+                    result.evicted_tokens += evict
                 hidden = model.cloak(ids, self.cache).to(wire)
-                out = stream.call(pb.TurnRequest(step=pb.Step(hidden=to_proto(hidden),
-                                                              cache_length=self.cache.length - len(ids))), "step")
-                if out.cache_length != self.cache.length:
-                    raise Aborted(f"server cache length {out.cache_length} != client's {self.cache.length}")
+                out = stream.call(pb.TurnRequest(step=pb.Step(hidden=to_proto(hidden), cache_length=before,
+                                                              evict=evict)), "step")
+                if out.cache_length != self.cache.length or out.evicted != evict:
+                    raise Aborted(f"server cache length {out.cache_length} (evicted {out.evicted}) != client's "
+                                  f"{self.cache.length} (evicted {evict})")
                 return model.logits(from_proto(out.hidden, model.hidden_size, 1, "server residual"))[-1]
 
             started = time.perf_counter()
             new_prompt = target_ids[keep:]
             result.prompt_tokens = len(new_prompt)
-            chunk = max(1, info.max_step_tokens)
+            chunk = max(1, min(info.max_step_tokens, window.max_step))
             for i in range(0, len(new_prompt), chunk):
                 logits = step(new_prompt[i:i + chunk])
             fed = target_ids[:]
@@ -260,7 +287,7 @@ class Session:
                 if len(generated) >= params.max_new_tokens:
                     result.finish_reason = "length"
                     break
-                if len(fed) + 1 > info.max_context:
+                if not window.enabled and self.cache.length + 1 > info.max_context:
                     result.finish_reason = "context"
                     break
                 logits = step([token])
@@ -275,15 +302,15 @@ class Session:
             self.version = result.version = done.version
             self.cache.commit()
             self.history_ids = fed
-            result.cache_length = len(fed)
+            result.cache_length = self.cache.length
             self.messages = messages + [{"role": "assistant", "content": result.text}]
             self.last_result = result
         finally:
             if stream is not None:
                 stream.close()
             if not committed:
-                if undo is not None:
-                    self.cache = undo
+                if undo:
+                    self.cache = undo[0]
                 else:
                     self.cache.rollback()
             self._busy.release()
@@ -305,7 +332,8 @@ class Session:
         meta = {"format": SESSION_FILE_FORMAT, "format_version": SESSION_FILE_VERSION,
                 "server_fingerprint": self.client.bundle.server_fingerprint,
                 "id": self.id.hex(), "key": self.key.hex(), "version": self.version,
-                "history_ids": self.history_ids, "messages": self.messages}
+                "history_ids": self.history_ids, "messages": self.messages,
+                "cache_length": self.cache.committed_length}
         tensors = {}
         for slot in range(self.cache.num_layers):
             k, v = self.cache.layer_tensors(slot, 0, self.cache.committed_length)
@@ -336,7 +364,7 @@ class Session:
         tensors = load_file(str(path))
         for slot in range(session.cache.num_layers):
             session.cache.load_layer(slot, tensors[f"k.{slot}"], tensors[f"v.{slot}"])
-        session.cache.set_length(len(session.history_ids))
+        session.cache.set_length(meta.get("cache_length", len(session.history_ids)))
         return session
 
 

@@ -81,6 +81,18 @@ class KVCache:
         self.length -= tokens
         self.committed_length = min(self.committed_length, self.length)
 
+    def evict(self, start: int, count: int, rekey) -> None:
+        """Drop positions [start, start + count) and move later ones down; `rekey` re-positions moved keys."""
+        if start + count > self.length:
+            raise ValueError(f"cannot evict {count} tokens from {start} in a cache of {self.length}")
+        end = self.length
+        for slot in range(self.num_layers):
+            k, v = self._k[slot], self._v[slot]
+            k[:, :, start:end - count] = rekey(k[:, :, start + count:end].clone())
+            v[:, :, start:end - count] = v[:, :, start + count:end].clone()
+        self.length -= count
+        self.committed_length = min(self.committed_length, start)
+
     def commit(self) -> None:
         self.committed_length = self.length
 

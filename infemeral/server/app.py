@@ -13,6 +13,7 @@ from grpc_reflection.v1alpha import reflection
 
 from infemeral.cloak.bundle import ServerBundle
 from infemeral.config import ServerSettings
+from infemeral.kvcache.window import WindowPolicy
 from infemeral.protocol import SERVICE_NAME, pb_grpc
 from infemeral.server.engine import Engine
 from infemeral.server.service import InfemeralService
@@ -31,8 +32,9 @@ class Server:
         self._stopped = threading.Event()
         bundle = ServerBundle.open(settings.bundle, verify=settings.verify_bundle)
         self.engine = Engine(bundle, open_store(settings.store, settings.session_ttl_seconds), device=settings.device, dtype=settings.dtype,
-                             max_step_tokens=settings.max_step_tokens, max_context=settings.max_context,
-                             max_sessions=settings.max_sessions)
+                             max_step_tokens=settings.max_step_tokens, max_sessions=settings.max_sessions,
+                             window=WindowPolicy(settings.max_context, settings.sink_tokens, settings.page_size,
+                                                 enabled=settings.window))
         self.max_message_bytes = settings.max_step_tokens * bundle.config.hidden_size * 4 + WIRE_OVERHEAD
         options = [
             ("grpc.max_receive_message_length", self.max_message_bytes),

@@ -19,10 +19,11 @@ from dataclasses import dataclass, field
 import torch
 
 from infemeral.cloak.bundle import ServerBundle, dtype_name
-from infemeral.errors import (Aborted, FailedPrecondition, InvalidArgument, OutOfRange,
+from infemeral.errors import (Aborted, FailedPrecondition, InvalidArgument,
                               ResourceExhausted, Unavailable)
 from infemeral.kvcache.persistence import SessionPersistence
 from infemeral.kvcache.stored import Manifest, SessionKeys
+from infemeral.kvcache.window import WindowPolicy, apply_window, rope_shift_frequencies
 from infemeral.kvcache.cache import KVCache
 from infemeral.model.layers import LayerStack
 from infemeral.storage.base import SessionLock, Store
@@ -70,19 +71,21 @@ class Turn:
 
 class Engine:
     def __init__(self, bundle: ServerBundle, store: Store, *, device: str = "auto", dtype: str = "auto",
-                 max_step_tokens: int = 2048, max_context: int = 8192, max_sessions: int = 64):
+                 max_step_tokens: int = 2048, max_sessions: int = 64, window: WindowPolicy | None = None):
         self.bundle = bundle
         self.store = store
         self.persistence = SessionPersistence(store, bundle.fingerprint)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.max_step_tokens = max_step_tokens
-        self.max_context = max_context
+        self.window = window or WindowPolicy(8192)
         self.max_sessions = max_sessions
         layers = [bundle.layer_weights(i) for i in range(bundle.first_layer, bundle.first_layer + bundle.num_layers)]
         self.layers = LayerStack(bundle.config, bundle.first_layer, layers, dtype=self.dtype, device=self.device)
         del layers
         self.hidden_size = bundle.config.hidden_size
+        self.inv_freq = (rope_shift_frequencies(self.layers.rotary, bundle.config, self.window.max_context)
+                         if self.window.enabled else None)
         self._active: dict[bytes, Turn] = {}
         self._active_lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
@@ -127,24 +130,30 @@ class Engine:
         turn.version = turn.manifest.version if turn.manifest else 0
         turn.low_water = turn.cache.length
 
-    def step(self, turn: Turn, hidden: torch.Tensor, cache_length: int, outputs: int = 1) -> torch.Tensor:
-        """Run new positions through the served layers; return the last `outputs` residuals."""
+    def step(self, turn: Turn, hidden: torch.Tensor, cache_length: int, outputs: int = 1,
+             evict: int = 0) -> tuple[torch.Tensor, int]:
+        """Slide the window, run new positions through the served layers; return the last `outputs`
+        residuals and the number of tokens the window evicted."""
         n = hidden.shape[0]
         if cache_length != turn.cache.length:
             raise Aborted(f"client thinks the cache holds {cache_length} tokens but it holds {turn.cache.length}; "
                           "the client and server are out of step — reopen the turn")
-        if turn.cache.length + n > self.max_context:
-            raise OutOfRange(f"this step would grow the session to {turn.cache.length + n} tokens, over the "
-                             f"server's max_context of {self.max_context}; start a new session")
         outputs = outputs or 1
+        if not 1 <= outputs <= n:
+            raise InvalidArgument(f"outputs must be between 1 and the step's {n} tokens, got {outputs}")
+        expected = self.window.tokens_to_evict(turn.cache.length, n)
+        if evict != expected:
+            raise Aborted(f"client's window evicts {evict} tokens before this step but the server's evicts "
+                          f"{expected}; do client and server use the same window settings?")
         if time.monotonic() - turn.refreshed_at > LOCK_REFRESH_SECONDS:
             turn.lock.refresh()  # keep the cross-replica lease alive during long turns
             turn.refreshed_at = time.monotonic()
-        if not 1 <= outputs <= n:
-            raise InvalidArgument(f"outputs must be between 1 and the step's {n} tokens, got {outputs}")
+        if expected:
+            apply_window(turn.cache, self.window, n, self.inv_freq)
+            turn.low_water = min(turn.low_water, turn.cache.length)  # stored positions moved: compact on commit
         future: Future = Future()
         self._queue.put((turn, hidden, outputs, future))
-        return future.result()
+        return future.result(), expected
 
     def truncate(self, turn: Turn, tokens: int, cache_length: int) -> int:
         if cache_length != turn.cache.length:

@@ -41,9 +41,10 @@ class InfemeralService(pb_grpc.InfemeralServicer):
                 kind = req.WhichOneof("kind")
                 if kind == "step":
                     hidden = from_proto(req.step.hidden, self.engine.hidden_size, self.engine.max_step_tokens)
-                    out = self.engine.step(turn, hidden, req.step.cache_length, req.step.outputs)
+                    out, evicted = self.engine.step(turn, hidden, req.step.cache_length, req.step.outputs,
+                                                    req.step.evict)
                     yield pb.TurnResponse(step=pb.StepResult(hidden=to_proto(out.to(hidden.dtype)),
-                                                             cache_length=turn.cache.length))
+                                                             cache_length=turn.cache.length, evicted=evicted))
                 elif kind == "truncate":
                     length = self.engine.truncate(turn, req.truncate.tokens, req.truncate.cache_length)
                     yield pb.TurnResponse(truncated=pb.Truncated(cache_length=length))
@@ -70,7 +71,8 @@ class InfemeralService(pb_grpc.InfemeralServicer):
             bundle_fingerprint=e.bundle.fingerprint, model_type=e.bundle.config.model_type,
             hidden_size=e.hidden_size, first_layer=e.bundle.first_layer, num_layers=e.bundle.num_layers,
             total_layers=e.bundle.config.num_hidden_layers, dtype=dtype_name(e.dtype), device=str(e.device),
-            max_step_tokens=e.max_step_tokens, max_context=e.max_context,
+            max_step_tokens=e.max_step_tokens, max_context=e.window.max_context, window=e.window.enabled,
+            sink_tokens=e.window.sink_tokens, page_size=e.window.page_size,
             max_message_bytes=self.max_message_bytes, server_version=__version__,
             protocol_version=PROTOCOL_VERSION)
 

@@ -29,14 +29,16 @@ class OpenTurn(_message.Message):
     def __init__(self, session_id: _Optional[bytes] = ..., session_key: _Optional[bytes] = ..., expected_version: _Optional[int] = ..., bundle_fingerprint: _Optional[str] = ...) -> None: ...
 
 class Step(_message.Message):
-    __slots__ = ("hidden", "cache_length", "outputs")
+    __slots__ = ("hidden", "cache_length", "outputs", "evict")
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     CACHE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    EVICT_FIELD_NUMBER: _ClassVar[int]
     hidden: Tensor
     cache_length: int
     outputs: int
-    def __init__(self, hidden: _Optional[_Union[Tensor, _Mapping]] = ..., cache_length: _Optional[int] = ..., outputs: _Optional[int] = ...) -> None: ...
+    evict: int
+    def __init__(self, hidden: _Optional[_Union[Tensor, _Mapping]] = ..., cache_length: _Optional[int] = ..., outputs: _Optional[int] = ..., evict: _Optional[int] = ...) -> None: ...
 
 class Truncate(_message.Message):
     __slots__ = ("tokens", "cache_length")
@@ -71,12 +73,14 @@ class Opened(_message.Message):
     def __init__(self, version: _Optional[int] = ..., cache_length: _Optional[int] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("hidden", "cache_length")
+    __slots__ = ("hidden", "cache_length", "evicted")
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     CACHE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
     hidden: Tensor
     cache_length: int
-    def __init__(self, hidden: _Optional[_Union[Tensor, _Mapping]] = ..., cache_length: _Optional[int] = ...) -> None: ...
+    evicted: int
+    def __init__(self, hidden: _Optional[_Union[Tensor, _Mapping]] = ..., cache_length: _Optional[int] = ..., evicted: _Optional[int] = ...) -> None: ...
 
 class Truncated(_message.Message):
     __slots__ = ("cache_length",)
@@ -109,7 +113,7 @@ class ServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("bundle_fingerprint", "model_type", "hidden_size", "first_layer", "num_layers", "total_layers", "dtype", "device", "max_step_tokens", "max_context", "max_message_bytes", "server_version", "protocol_version")
+    __slots__ = ("bundle_fingerprint", "model_type", "hidden_size", "first_layer", "num_layers", "total_layers", "dtype", "device", "max_step_tokens", "max_context", "max_message_bytes", "server_version", "protocol_version", "window", "sink_tokens", "page_size")
     BUNDLE_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +127,9 @@ class ServerInfo(_message.Message):
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    SINK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     bundle_fingerprint: str
     model_type: str
     hidden_size: int
@@ -136,7 +143,10 @@ class ServerInfo(_message.Message):
     max_message_bytes: int
     server_version: str
     protocol_version: int
-    def __init__(self, bundle_fingerprint: _Optional[str] = ..., model_type: _Optional[str] = ..., hidden_size: _Optional[int] = ..., first_layer: _Optional[int] = ..., num_layers: _Optional[int] = ..., total_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_step_tokens: _Optional[int] = ..., max_context: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., server_version: _Optional[str] = ..., protocol_version: _Optional[int] = ...) -> None: ...
+    window: bool
+    sink_tokens: int
+    page_size: int
+    def __init__(self, bundle_fingerprint: _Optional[str] = ..., model_type: _Optional[str] = ..., hidden_size: _Optional[int] = ..., first_layer: _Optional[int] = ..., num_layers: _Optional[int] = ..., total_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_step_tokens: _Optional[int] = ..., max_context: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., server_version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., window: _Optional[bool] = ..., sink_tokens: _Optional[int] = ..., page_size: _Optional[int] = ...) -> None: ...
 
 class DeleteSessionRequest(_message.Message):
     __slots__ = ("session_id", "session_key")
