@@ -28,6 +28,12 @@ class ServerSettings(BaseSettings):
     sink_tokens: int = Field(4, ge=0, description="first tokens the window always keeps (attention sinks)")
     page_size: int = Field(16, ge=1, description="tokens per KV page; the window evicts whole pages")
     max_sessions: int = Field(64, ge=1, description="most turns open at once")
+    kv_pool_tokens: int = Field(65536, ge=1, description="KV cache pool size in tokens, shared by all open turns")
+    max_batch_tokens: int = Field(8192, ge=1, description="most tokens one batched forward pass may carry")
+    admission_wait: float = Field(10.0, ge=0, description="seconds a new turn waits for KV pages before "
+                                                          "RESOURCE_EXHAUSTED")
+    attention_backend: str = Field("auto", description="auto, torch or flashinfer (auto: FlashInfer on CUDA "
+                                                       "when installed)")
     workers: int = Field(32, ge=1, description="gRPC worker threads")
     verify_bundle: bool = Field(True, description="check the bundle's file hashes at start-up")
     grace_seconds: float = Field(10.0, ge=0, description="how long SIGTERM waits for open turns")

@@ -70,3 +70,14 @@ class LayerStack(torch.nn.Module):
                       position_embeddings=cos_sin)
         cache.finish_step(n)
         return x[0]
+
+    @torch.inference_mode()
+    def forward_batch(self, hidden: torch.Tensor, batch) -> torch.Tensor:
+        """Run the new positions of several sessions [sum n_i, hidden] in one pass over the page pool."""
+        x = hidden.to(self.device, self.dtype).unsqueeze(0)
+        cos_sin = self.rotary(x, batch.positions)
+        for layer in self.layers:
+            x = layer(x, attention_mask=None, position_ids=batch.positions, past_key_values=batch,
+                      position_embeddings=cos_sin, paged=batch)
+        batch.finish()
+        return x[0]

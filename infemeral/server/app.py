@@ -34,7 +34,9 @@ class Server:
         self.engine = Engine(bundle, open_store(settings.store, settings.session_ttl_seconds), device=settings.device, dtype=settings.dtype,
                              max_step_tokens=settings.max_step_tokens, max_sessions=settings.max_sessions,
                              window=WindowPolicy(settings.max_context, settings.sink_tokens, settings.page_size,
-                                                 enabled=settings.window))
+                                                 enabled=settings.window),
+                             kv_pool_tokens=settings.kv_pool_tokens, max_batch_tokens=settings.max_batch_tokens,
+                             admission_wait=settings.admission_wait, attention_backend=settings.attention_backend)
         self.max_message_bytes = settings.max_step_tokens * bundle.config.hidden_size * 4 + WIRE_OVERHEAD
         options = [
             ("grpc.max_receive_message_length", self.max_message_bytes),

@@ -1,16 +1,18 @@
-"""The server engine: served layers, open turns, and one worker that runs the model.
+"""The server engine: served layers, a shared KV page pool, open turns, and a batching scheduler.
 
-gRPC handler threads never touch the model. They open turns here and submit
-steps; a single worker thread takes pending steps from a queue and runs them
-through the layers. Keeping all model work on one scheduler thread is what
-lets many concurrent streams share one device (and is where steps of several
-sessions get batched together).
+gRPC handler threads never touch the model. They open turns here (loading the
+session's stored cache straight into its pages) and submit steps; one worker
+thread drains the pending steps of *all* sessions and runs them together in one
+ragged forward pass (continuous batching: prefill and decode mixed, no padding,
+first come first served up to a token budget). All page-pool mutations made
+for steps happen on that worker, so sessions can never step on each other.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
+from collections import deque
 import threading
 import time
 from concurrent.futures import Future
@@ -24,8 +26,9 @@ from infemeral.errors import (Aborted, FailedPrecondition, InvalidArgument,
 from infemeral.kvcache.persistence import SessionPersistence
 from infemeral.kvcache.stored import Manifest, SessionKeys
 from infemeral.kvcache.window import WindowPolicy, apply_window, rope_shift_frequencies
-from infemeral.kvcache.cache import KVCache
-from infemeral.model.layers import LayerStack
+from infemeral.kvcache.paged import PagedBatch, PagedSequence, PagePool, PoolExhausted
+from infemeral.model.layers import LayerStack, head_dim
+from infemeral.model.paged_attention import select_backend
 from infemeral.storage.base import SessionLock, Store
 
 log = logging.getLogger(__name__)
@@ -60,18 +63,35 @@ class Turn:
     session_id: bytes
     keys: SessionKeys
     version: int
-    cache: KVCache
+    cache: PagedSequence
     lock: SessionLock | None = None      # the store's cross-replica hold on the session
     manifest: Manifest | None = None     # the committed state this turn started from
     low_water: int = 0                   # shortest the cache got during the turn (truncations)
     refreshed_at: float = field(default_factory=time.monotonic)
     closed: bool = False
     guard: threading.Lock = field(default_factory=threading.Lock)
+    idle: threading.Event = field(default_factory=threading.Event)  # no step in the scheduler
+
+    def __post_init__(self):
+        self.idle.set()
+
+
+@dataclass
+class _Step:
+    turn: Turn
+    hidden: torch.Tensor
+    outputs: int
+    evict: int
+    future: Future
+    started: bool = False                # the future is running; the window has been applied
+    waiting_since: float | None = None   # when it first found the pool full
 
 
 class Engine:
     def __init__(self, bundle: ServerBundle, store: Store, *, device: str = "auto", dtype: str = "auto",
-                 max_step_tokens: int = 2048, max_sessions: int = 64, window: WindowPolicy | None = None):
+                 max_step_tokens: int = 2048, max_sessions: int = 64, window: WindowPolicy | None = None,
+                 kv_pool_tokens: int = 65536, max_batch_tokens: int = 8192, admission_wait: float = 10.0,
+                 attention_backend: str = "auto"):
         self.bundle = bundle
         self.store = store
         self.persistence = SessionPersistence(store, bundle.fingerprint)
@@ -86,14 +106,24 @@ class Engine:
         self.hidden_size = bundle.config.hidden_size
         self.inv_freq = (rope_shift_frequencies(self.layers.rotary, bundle.config, self.window.max_context)
                          if self.window.enabled else None)
+        config = bundle.config
+        self.pool = PagePool(max(1, kv_pool_tokens // self.window.page_size), self.window.page_size,
+                             bundle.first_layer, bundle.num_layers, config.num_key_value_heads, head_dim(config),
+                             self.dtype, self.device)
+        self.backend = select_backend(attention_backend, self.device, config.num_attention_heads,
+                                      config.num_key_value_heads, head_dim(config), self.window.page_size, self.dtype)
+        self.max_batch_tokens = max(max_batch_tokens, max_step_tokens)
+        self.admission_wait = admission_wait
+        self.stats = {"forwards": 0, "steps": 0, "tokens": 0, "largest_batch": 0}  # scheduler counters
         self._active: dict[bytes, Turn] = {}
         self._active_lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
         self._worker = threading.Thread(target=self._run, name="infemeral-engine", daemon=True)
         self._stopping = False
         self._worker.start()
-        log.info("engine ready: %d layers from %d on %s in %s", bundle.num_layers, bundle.first_layer,
-                 self.device, dtype_name(self.dtype))
+        log.info("engine ready: %d layers from %d on %s in %s, %d KV pages of %d tokens, %s attention",
+                 bundle.num_layers, bundle.first_layer, self.device, dtype_name(self.dtype), self.pool.num_pages,
+                 self.pool.page_size, self.backend.name)
 
     # -- turns ------------------------------------------------------------------------------
     def open_turn(self, session_id: bytes, session_key: bytes, expected_version: int, fingerprint: str) -> Turn:
@@ -114,7 +144,8 @@ class Engine:
                               "(one turn at a time per session)")
             if len(self._active) >= self.max_sessions:
                 raise ResourceExhausted(f"server is serving its limit of {self.max_sessions} turns; retry shortly")
-            turn = Turn(session_id, SessionKeys.derive(session_id, session_key), 0, self.layers.new_cache())
+            turn = Turn(session_id, SessionKeys.derive(session_id, session_key), 0,
+                        PagedSequence(self.pool, self.admission_wait))
             self._active[session_id] = turn
         try:
             self._load(turn, expected_version)
@@ -129,6 +160,7 @@ class Engine:
         turn.manifest = self.persistence.load(turn.session_id, turn.keys, expected_version, turn.cache)
         turn.version = turn.manifest.version if turn.manifest else 0
         turn.low_water = turn.cache.length
+        turn.cache.reserve(turn.cache.length + 1, wait=self.admission_wait)  # admission: room to start
 
     def step(self, turn: Turn, hidden: torch.Tensor, cache_length: int, outputs: int = 1,
              evict: int = 0) -> tuple[torch.Tensor, int]:
@@ -148,12 +180,13 @@ class Engine:
         if time.monotonic() - turn.refreshed_at > LOCK_REFRESH_SECONDS:
             turn.lock.refresh()  # keep the cross-replica lease alive during long turns
             turn.refreshed_at = time.monotonic()
-        if expected:
-            apply_window(turn.cache, self.window, n, self.inv_freq)
-            turn.low_water = min(turn.low_water, turn.cache.length)  # stored positions moved: compact on commit
         future: Future = Future()
-        self._queue.put((turn, hidden, outputs, future))
-        return future.result(), expected
+        turn.idle.clear()
+        self._queue.put(_Step(turn, hidden, outputs, expected, future))
+        try:
+            return future.result(), expected
+        finally:
+            turn.idle.set()
 
     def truncate(self, turn: Turn, tokens: int, cache_length: int) -> int:
         if cache_length != turn.cache.length:
@@ -180,6 +213,7 @@ class Engine:
                 return
             turn.closed = True
         try:
+            turn.idle.wait(timeout=60)  # a step still in the scheduler must finish before its pages go
             turn.cache.wipe()
         finally:  # never leave the session locked in a turn, even if wiping failed
             if turn.lock is not None:
@@ -205,22 +239,83 @@ class Engine:
     def active_turns(self) -> int:
         return len(self._active)
 
-    # -- the worker ---------------------------------------------------------------------------
+    # -- the scheduler ----------------------------------------------------------------------------
     def _run(self) -> None:
+        pending: deque[_Step] = deque()
         while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            turn, hidden, outputs, future = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
+            if not pending:
+                item = self._queue.get()
+                if item is None:
+                    return
+                pending.append(item)
+            while True:  # everything that arrived meanwhile joins this round
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    for step in pending:
+                        if not step.future.done():
+                            step.future.set_exception(Unavailable("server is shutting down"))
+                    return
+                pending.append(item)
+            batch, waiting, tokens = [], [], 0
+            while pending and (not batch or tokens + pending[0].hidden.shape[0] <= self.max_batch_tokens):
+                step = pending.popleft()  # first come, first served: nothing starves
+                admitted = self._admit(step)
+                if admitted is None:
+                    waiting.append(step)
+                elif admitted:
+                    batch.append(step)
+                    tokens += step.hidden.shape[0]
+            pending.extendleft(reversed(waiting))  # steps waiting for pages keep their place in line
+            if batch:
+                self._forward(batch)
+            elif waiting:
+                time.sleep(0.02)  # only steps waiting for pages: let other turns free some
+
+    def _admit(self, step: _Step) -> bool | None:
+        """Slide the window and reserve pages for a step. None: wait for pages (bounded); False: failed."""
+        turn, n = step.turn, step.hidden.shape[0]
+        try:
+            if not step.started:
+                if not step.future.set_running_or_notify_cancel():
+                    return False
+                step.started = True
                 if turn.closed:
                     raise Aborted("turn was closed")
-                out = self.layers(hidden, turn.cache)
-                future.set_result(out[-outputs:].to("cpu"))
-            except BaseException as e:  # delivered to the waiting handler thread
-                future.set_exception(e)
+                if step.evict:
+                    apply_window(turn.cache, self.window, n, self.inv_freq)
+                    turn.low_water = min(turn.low_water, turn.cache.length)  # stored positions moved: compact
+            try:
+                turn.cache.reserve(turn.cache.length + n)
+            except PoolExhausted:
+                now = time.monotonic()
+                step.waiting_since = step.waiting_since or now
+                if now - step.waiting_since < self.admission_wait:
+                    return None
+                raise
+            return True
+        except BaseException as e:
+            step.future.set_exception(e)
+            return False
+
+    def _forward(self, batch: list[_Step]) -> None:
+        try:
+            paged = PagedBatch(self.pool, [s.turn.cache for s in batch], [s.hidden.shape[0] for s in batch],
+                               self.backend)
+            out = self.layers.forward_batch(torch.cat([s.hidden.to(self.dtype) for s in batch]), paged)
+        except BaseException as e:  # delivered to every waiting handler thread
+            for s in batch:
+                s.future.set_exception(e)
+            return
+        self.stats["forwards"] += 1
+        self.stats["steps"] += len(batch)
+        self.stats["tokens"] += int(paged.qo_indptr[-1])
+        self.stats["largest_batch"] = max(self.stats["largest_batch"], len(batch))
+        ends = paged.qo_indptr.tolist()[1:]
+        for s, end in zip(batch, ends):
+            s.future.set_result(out[end - s.outputs:end].to("cpu"))
 
     def stop(self) -> None:
         self._stopping = True

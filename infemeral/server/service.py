@@ -57,6 +57,9 @@ class InfemeralService(pb_grpc.InfemeralServicer):
                 else:
                     raise InvalidArgument(f"unexpected message {kind!r} inside a turn")
         except StatusError as e:
+            retry_after = getattr(e, "retry_after", None)
+            if retry_after:  # a hint clients and proxies can act on
+                context.set_trailing_metadata((("retry-after-ms", str(int(retry_after * 1000))),))
             context.abort(e.code, e.message)
         except STORE_ERRORS as e:
             log.error("store error: %s", type(e).__name__)
