@@ -37,6 +37,16 @@ class ServerSettings(BaseSettings):
     workers: int = Field(32, ge=1, description="gRPC worker threads")
     verify_bundle: bool = Field(True, description="check the bundle's file hashes at start-up")
     grace_seconds: float = Field(10.0, ge=0, description="how long SIGTERM waits for open turns")
+    tls_cert: Path | None = Field(None, description="server certificate chain (PEM); with --tls-key turns TLS on")
+    tls_key: Path | None = Field(None, description="server private key (PEM)")
+    tls_client_ca: Path | None = Field(None, description="CA (PEM) that client certificates must chain to: "
+                                                         "turns on mutual TLS")
+    api_keys: str = Field("", description="comma-separated API keys clients must send (empty: no API key)")
+    api_keys_file: Path | None = Field(None, description="file with one API key per line")
+    allow_plaintext: bool = Field(False, description="allow plaintext gRPC on a non-loopback address")
+    metrics_port: int = Field(9400, ge=0, description="Prometheus metrics port (0: off)")
+    metrics_host: str = Field("127.0.0.1", description="address the metrics endpoint binds to")
+    log_format: str = Field("text", description="text or json")
 
 
 class ClientSettings(BaseSettings):
@@ -48,6 +58,12 @@ class ClientSettings(BaseSettings):
     client_bundle: Path = Field(DATA_HOME / "bundles" / "default" / "client", description="client bundle directory")
     sessions_dir: Path = Field(DATA_HOME / "sessions", description="where named chat sessions are saved")
     timeout: float = Field(600.0, description="seconds one turn may take")
+    tls_ca: Path | None = Field(None, description="CA or the server's own certificate (PEM) to trust: turns TLS on")
+    tls_client_cert: Path | None = Field(None, description="client certificate (PEM) for mutual TLS")
+    tls_client_key: Path | None = Field(None, description="client private key (PEM) for mutual TLS")
+    tls_server_name: str | None = Field(None, description="name to check in the server certificate "
+                                                          "(default: the host in --server)")
+    api_key: str | None = Field(None, description="API key the server asks for")
     max_new_tokens: int = Field(256, ge=1, description="most tokens to generate per answer")
     temperature: float = Field(0.0, ge=0, description="sampling temperature; 0 is greedy")
     top_k: int = Field(0, ge=0, description="sample from the k most likely tokens (0: off)")

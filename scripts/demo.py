@@ -36,7 +36,7 @@ def main() -> int:
     address = f"127.0.0.1:{port}"
     with tempfile.TemporaryDirectory(prefix="infemeral-demo-store-") as store:
         env = dict(os.environ, INFEMERAL_BUNDLE=str(BUNDLES / "server"), INFEMERAL_STORE=store,
-                   INFEMERAL_LISTEN=address)
+                   INFEMERAL_LISTEN=address, INFEMERAL_METRICS_PORT="0")
         print(f"==> starting infemeral-server on {address}", flush=True)
         server = subprocess.Popen([BIN / "infemeral-server", "--log-level", "WARNING"], env=env)
         try:

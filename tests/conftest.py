@@ -46,8 +46,9 @@ def start_server(bundles, store: Path, **overrides):
     from infemeral.config import ServerSettings
     from infemeral.server.app import Server
 
-    settings = ServerSettings(bundle=bundles.server_dir, listen="127.0.0.1:0", store=str(store),
-                              device="cpu", dtype="float32", **overrides)
+    fields = dict(bundle=bundles.server_dir, listen="127.0.0.1:0", store=str(store), device="cpu", dtype="float32",
+                  metrics_port=0)
+    settings = ServerSettings(**{**fields, **overrides})
     return Server(settings).start()
 
 
@@ -123,6 +124,7 @@ def spawn_server(bundle_dir: Path, store: Path, port: int, **env_extra) -> subpr
     """`infemeral-server` as a real separate process; returns once it reports SERVING."""
     env = dict(os.environ, INFEMERAL_BUNDLE=str(bundle_dir), INFEMERAL_STORE=str(store),
                INFEMERAL_LISTEN=f"127.0.0.1:{port}", INFEMERAL_DEVICE="cpu", INFEMERAL_DTYPE="float32",
+               INFEMERAL_METRICS_PORT="0",
                **{k: str(v) for k, v in env_extra.items()})
     proc = subprocess.Popen([sys.executable, "-m", "infemeral.server.main"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -12,7 +12,8 @@ from infemeral.cli_settings import add_settings_flags, settings_from_args
 from infemeral.config import ClientSettings
 from infemeral.errors import InfemeralError
 
-CONNECTION = ("server", "client_bundle", "timeout")
+CONNECTION = ("server", "client_bundle", "timeout", "tls_ca", "tls_client_cert", "tls_client_key", "tls_server_name",
+              "api_key")
 SAMPLING = ("max_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "seed", "stop")
 
 EPILOG = """\
@@ -102,7 +103,9 @@ def cmd_prepare(args) -> int:
 def _client(settings: ClientSettings):
     from infemeral.client.sdk import Client
 
-    return Client(settings.server, settings.client_bundle, timeout=settings.timeout)
+    return Client(settings.server, settings.client_bundle, timeout=settings.timeout, tls_ca=settings.tls_ca,
+                  tls_client_cert=settings.tls_client_cert, tls_client_key=settings.tls_client_key,
+                  tls_server_name=settings.tls_server_name, api_key=settings.api_key)
 
 
 def _report(result, verbose: bool) -> None:

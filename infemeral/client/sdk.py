@@ -37,6 +37,7 @@ from infemeral.kvcache.cache import KVCache
 from infemeral.kvcache.window import WindowPolicy, apply_window
 from infemeral.protocol import pb, pb_grpc
 from infemeral.protocol.tensors import WIRE_DTYPES, from_proto, to_proto
+from infemeral.transport import client_channel
 
 SESSION_FILE_FORMAT = "infemeral-session"
 SESSION_FILE_VERSION = 1
@@ -65,10 +66,17 @@ class TurnResult:
 
 
 class Client:
-    """A connection to one infemeral server plus the local half of the model."""
+    """A connection to one infemeral server plus the local half of the model.
+
+    Pass `tls_ca` (the CA or the server's own certificate) to use TLS, with
+    `tls_client_cert`/`tls_client_key` for mutual TLS, and `api_key` if the
+    server asks for one."""
 
     def __init__(self, server: str = "127.0.0.1:50051", client_bundle: str | Path | None = None, *,
-                 timeout: float = 600.0, options: list | None = None, interceptors: list | None = None):
+                 timeout: float = 600.0, options: list | None = None, interceptors: list | None = None,
+                 tls_ca: str | Path | None = None, tls_client_cert: str | Path | None = None,
+                 tls_client_key: str | Path | None = None, tls_server_name: str | None = None,
+                 api_key: str | None = None):
         from infemeral.config import ClientSettings
 
         bundle_dir = client_bundle if client_bundle is not None else ClientSettings().client_bundle
@@ -82,7 +90,8 @@ class Client:
             self.eos_ids.add(self.tokenizer.eos_token_id)
         self.timeout = timeout
         self.address = server
-        self.channel = grpc.insecure_channel(server, options=(options or []) + [
+        self.channel = client_channel(server, tls_ca=tls_ca, client_cert=tls_client_cert, client_key=tls_client_key,
+                                      server_name=tls_server_name, api_key=api_key, options=(options or []) + [
             ("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20),
             ("grpc.keepalive_time_ms", 30_000)])
         if interceptors:

@@ -16,8 +16,10 @@ from infemeral.config import ServerSettings
 from infemeral.kvcache.window import WindowPolicy
 from infemeral.protocol import SERVICE_NAME, pb_grpc
 from infemeral.server.engine import Engine
+from infemeral.server.metrics import Metrics
 from infemeral.server.service import InfemeralService
 from infemeral.storage.base import open_store
+from infemeral.transport import ApiKeyInterceptor, is_loopback, read_api_keys, server_credentials
 
 log = logging.getLogger(__name__)
 
@@ -46,21 +48,42 @@ class Server:
             ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
             ("grpc.so_reuseport", 0),
         ]
-        self.grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=settings.workers), options=options)
+        keys = read_api_keys(settings.api_keys, settings.api_keys_file)
+        interceptors = [ApiKeyInterceptor(keys)] if keys else []
+        self.grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=settings.workers), options=options,
+                                       interceptors=interceptors)
+        self.metrics = Metrics()
+        self.metrics.pool_total.set(self.engine.pool.num_pages)
+        self.metrics.pool_used.set_function(lambda: self.engine.pool.num_pages - self.engine.pool.free_pages)
+        self.metrics.active_turns.set_function(lambda: self.engine.active_turns)
+        self.engine.metrics = self.metrics
         pb_grpc.add_InfemeralServicer_to_server(InfemeralService(self.engine, self.max_message_bytes),
                                                 self.grpc_server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
                                             self.grpc_server)
-        self.port = self.grpc_server.add_insecure_port(settings.listen)
+        credentials = server_credentials(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
+        if credentials is not None:
+            self.port = self.grpc_server.add_secure_port(settings.listen, credentials)
+        else:
+            if not is_loopback(settings.listen) and not settings.allow_plaintext:
+                raise ValueError(f"refusing plaintext gRPC on {settings.listen}: set INFEMERAL_TLS_CERT and "
+                                 "INFEMERAL_TLS_KEY, or INFEMERAL_ALLOW_PLAINTEXT=true behind a TLS proxy you control")
+            if not is_loopback(settings.listen):
+                log.warning("serving plaintext gRPC on %s: the session key and hidden states cross the network "
+                            "in the clear unless a TLS proxy terminates in front of this server", settings.listen)
+            self.port = self.grpc_server.add_insecure_port(settings.listen)
         if self.port == 0:
             raise OSError(f"could not listen on {settings.listen}")
+        self.metrics_port = None
 
     def start(self) -> "Server":
         self.grpc_server.start()
         self._purger = threading.Thread(target=self._purge_loop, name="infemeral-purge", daemon=True)
         self._purger.start()
+        if self.settings.metrics_port:
+            self.metrics_port = self.metrics.serve(self.settings.metrics_host, self.settings.metrics_port)
         for name in ("", SERVICE_NAME):
             self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("listening on %s (port %d)", self.settings.listen, self.port)
@@ -83,6 +106,7 @@ class Server:
         self.engine._stopping = True
         self.grpc_server.stop(self.settings.grace_seconds if grace is None else grace).wait()
         self._stopped.set()
+        self.metrics.stop()
         self.engine.stop()
         self.engine.store.close()
 

@@ -115,6 +115,7 @@ class Engine:
         self.max_batch_tokens = max(max_batch_tokens, max_step_tokens)
         self.admission_wait = admission_wait
         self.stats = {"forwards": 0, "steps": 0, "tokens": 0, "largest_batch": 0}  # scheduler counters
+        self.metrics = None  # set by the server when Prometheus metrics are on
         self._active: dict[bytes, Turn] = {}
         self._active_lock = threading.Lock()
         self._queue: queue.Queue = queue.Queue()
@@ -313,6 +314,10 @@ class Engine:
         self.stats["steps"] += len(batch)
         self.stats["tokens"] += int(paged.qo_indptr[-1])
         self.stats["largest_batch"] = max(self.stats["largest_batch"], len(batch))
+        if self.metrics is not None:
+            self.metrics.steps.inc(len(batch))
+            self.metrics.tokens.inc(int(paged.qo_indptr[-1]))
+            self.metrics.batch_steps.observe(len(batch))
         ends = paged.qo_indptr.tolist()[1:]
         for s, end in zip(batch, ends):
             s.future.set_result(out[end - s.outputs:end].to("cpu"))

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
+
+from pydantic import ValidationError
 
 from infemeral.cli_settings import add_settings_flags, settings_from_args
 from infemeral.config import ServerSettings
 from infemeral.errors import InfemeralError
+from infemeral.logs import configure as configure_logging
 
 EPILOG = """\
 examples:
@@ -32,12 +34,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from infemeral.server.app import serve_forever
 
     try:
-        serve_forever(settings_from_args(ServerSettings, args))
-    except (InfemeralError, OSError, ValueError) as e:
+        settings = settings_from_args(ServerSettings, args)
+        configure_logging(args.log_level, settings.log_format)
+        serve_forever(settings)
+    except (InfemeralError, OSError, ValueError, ValidationError) as e:
         print(f"infemeral-server: {e}", file=sys.stderr)
         return 2
     return 0

@@ -8,6 +8,7 @@ stored session exactly as it was: the engine only writes on commit.
 from __future__ import annotations
 
 import logging
+import time
 
 import grpc
 
@@ -29,7 +30,7 @@ class InfemeralService(pb_grpc.InfemeralServicer):
         self.max_message_bytes = max_message_bytes
 
     def Turn(self, request_iterator, context):
-        turn = None
+        turn, outcome = None, "abandoned"
         try:
             first = next(request_iterator, None)
             if first is None or first.WhichOneof("kind") != "open":
@@ -40,16 +41,21 @@ class InfemeralService(pb_grpc.InfemeralServicer):
             for req in request_iterator:
                 kind = req.WhichOneof("kind")
                 if kind == "step":
+                    started = time.perf_counter()
                     hidden = from_proto(req.step.hidden, self.engine.hidden_size, self.engine.max_step_tokens)
                     out, evicted = self.engine.step(turn, hidden, req.step.cache_length, req.step.outputs,
                                                     req.step.evict)
+                    self._observe("step_seconds", time.perf_counter() - started)
                     yield pb.TurnResponse(step=pb.StepResult(hidden=to_proto(out.to(hidden.dtype)),
                                                              cache_length=turn.cache.length, evicted=evicted))
                 elif kind == "truncate":
                     length = self.engine.truncate(turn, req.truncate.tokens, req.truncate.cache_length)
                     yield pb.TurnResponse(truncated=pb.Truncated(cache_length=length))
                 elif kind == "commit":
+                    written = self.engine.store.bytes_written
                     version = self.engine.commit(turn)
+                    self._count("commit_bytes", self.engine.store.bytes_written - written)
+                    outcome = "committed"
                     length = turn.cache.length
                     self.engine.close_turn(turn)  # release the session before the client hears "committed"
                     yield pb.TurnResponse(committed=pb.Committed(version=version, cache_length=length))
@@ -57,16 +63,29 @@ class InfemeralService(pb_grpc.InfemeralServicer):
                 else:
                     raise InvalidArgument(f"unexpected message {kind!r} inside a turn")
         except StatusError as e:
+            outcome = e.code.name.lower()
             retry_after = getattr(e, "retry_after", None)
             if retry_after:  # a hint clients and proxies can act on
                 context.set_trailing_metadata((("retry-after-ms", str(int(retry_after * 1000))),))
             context.abort(e.code, e.message)
         except STORE_ERRORS as e:
+            outcome = "store_error"
+            self._count("store_errors")
             log.error("store error: %s", type(e).__name__)
             context.abort(grpc.StatusCode.UNAVAILABLE, "session store is unavailable; the session is unchanged, retry")
         finally:
             if turn is not None:
                 self.engine.close_turn(turn)
+            if self.engine.metrics is not None:
+                self.engine.metrics.turns.labels(outcome).inc()
+
+    def _count(self, name: str, amount: float = 1) -> None:
+        if self.engine.metrics is not None:
+            getattr(self.engine.metrics, name).inc(amount)
+
+    def _observe(self, name: str, value: float) -> None:
+        if self.engine.metrics is not None:
+            getattr(self.engine.metrics, name).observe(value)
 
     def GetServerInfo(self, request, context):
         e = self.engine

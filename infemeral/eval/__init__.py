@@ -1,0 +1,1 @@
+"""Offline evaluations of the plain (unsplit) model, e.g. perplexity under the sliding window."""

@@ -1,0 +1,27 @@
+"""Logging set-up: plain text or one JSON object per line. Messages carry sizes and timings only."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + "Z",
+                 "level": record.levelname, "logger": record.name, "message": record.getMessage()}
+        if record.exc_info and record.exc_info[0] is not None:
+            entry["error"] = record.exc_info[0].__name__  # the type only: exception text may hold data
+        return json.dumps(entry)
+
+
+def configure(level: str = "INFO", fmt: str = "text") -> None:
+    handler = logging.StreamHandler()
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter())
+    elif fmt == "text":
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    else:
+        raise ValueError(f"log format must be text or json, not {fmt!r}")
+    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
