@@ -187,6 +187,9 @@ class Session:
         self.cache = client.model.new_cache()
         self._busy = threading.Lock()
         self.last_result: TurnResult | None = None
+        # A turn whose commit was sent but never answered (connection lost): its outcome, and the
+        # client-side state it would lead to, until the server says whether it landed.
+        self._unconfirmed: dict | None = None
 
     def __repr__(self) -> str:  # never print the key
         return f"Session(id={self.id.hex()[:8]}…, version={self.version}, tokens={len(self.history_ids)})"
@@ -201,14 +204,39 @@ class Session:
     def stream(self, message: str, sampling: SamplingParams | None = None) -> Iterator[str]:
         """Send a user message; yield the answer's text as it is sampled."""
         messages = self.messages + [{"role": "user", "content": message}]
+        return self._turn(self._render(messages), messages, sampling or SamplingParams())
+
+    def _render(self, messages: list[dict]) -> list[int]:
         ids = self.client.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if not isinstance(ids, list):
-            ids = ids["input_ids"]
-        return self._turn(list(ids), messages, sampling or SamplingParams())
+        return list(ids if isinstance(ids, list) else ids["input_ids"])
+
+    def _settle_unconfirmed(self) -> None:
+        """Ask the server whether a turn whose commit reply was lost did commit; adopt it if so."""
+        pending, stream = self._unconfirmed, _TurnStream(self.client)
+        try:
+            opened = stream.call(pb.TurnRequest(open=pb.OpenTurn(
+                session_id=self.id, session_key=self.key, expected_version=self.version,
+                bundle_fingerprint=self.client.bundle.server_fingerprint, turn_id=secrets.token_bytes(16),
+                pending_turn_id=pending["turn_id"])), "opened")
+        finally:
+            stream.close()  # no commit: the probe changes nothing
+        if opened.pending_committed:
+            self.version, self.cache = opened.version, pending["cache"]
+            self.history_ids, self.messages = pending["history_ids"], pending["messages"]
+            self.last_result = pending["result"]
+        self._unconfirmed = None
 
     def _turn(self, target_ids: list[int], messages: list[dict], params: SamplingParams) -> Iterator[str]:
         if not self._busy.acquire(blocking=False):
             raise Aborted("this session is already running a turn")
+        try:
+            if self._unconfirmed is not None:
+                self._settle_unconfirmed()
+                messages = self.messages + messages[-1:]  # the new user message on the settled transcript
+                target_ids = self._render(messages)
+        except BaseException:
+            self._busy.release()
+            raise
         client, model = self.client, self.client.model
         keep = _common_prefix(self.history_ids, target_ids)
         if keep == len(target_ids):  # always send at least one token to get logits
@@ -222,14 +250,15 @@ class Session:
 
         result = TurnResult(truncated_tokens=drop)
         stream = None
-        committed = False
+        committed = commit_sent = False
+        turn_id = secrets.token_bytes(16)
         try:
             info = client.server_info()
             wire = client.wire_dtype
             stream = _TurnStream(client)
             opened = stream.call(pb.TurnRequest(open=pb.OpenTurn(
                 session_id=self.id, session_key=self.key, expected_version=self.version,
-                bundle_fingerprint=client.bundle.server_fingerprint)), "opened")
+                bundle_fingerprint=client.bundle.server_fingerprint, turn_id=turn_id)), "opened")
             if opened.cache_length != self.cache.length:
                 raise Aborted(f"server holds {opened.cache_length} tokens for this session but the client holds "
                               f"{self.cache.length}; the session file is out of date")
@@ -306,17 +335,24 @@ class Session:
             result.token_ids = generated
             result.generated_tokens = len(generated)
             result.decode_seconds = time.perf_counter() - decode_from
+            result.cache_length = self.cache.length
+            commit_sent = True
             done = stream.call(pb.TurnRequest(commit=pb.Commit()), "committed")
             committed = True
             self.version = result.version = done.version
             self.cache.commit()
             self.history_ids = fed
-            result.cache_length = self.cache.length
             self.messages = messages + [{"role": "assistant", "content": result.text}]
             self.last_result = result
         finally:
             if stream is not None:
                 stream.close()
+            if commit_sent and not committed:  # the outcome is unknown until the server is asked
+                result.version = self.version + 1
+                self._unconfirmed = {"turn_id": turn_id, "cache": self.cache.clone(), "history_ids": fed,
+                                     "messages": messages + [{"role": "assistant", "content": result.text}],
+                                     "result": result}
+                self._unconfirmed["cache"].commit()
             if not committed:
                 if undo:
                     self.cache = undo[0]

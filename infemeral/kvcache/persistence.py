@@ -11,6 +11,7 @@ next one.
 
 from __future__ import annotations
 
+import hmac
 import logging
 
 from infemeral.errors import Aborted, FailedPrecondition, NotFound
@@ -37,15 +38,20 @@ class SessionPersistence:
         return None if blob is None else stored.open_manifest(blob, keys)
 
     def load(self, session_id: bytes, keys: stored.SessionKeys, expected_version: int,
-             cache: KVCache) -> stored.Manifest | None:
-        """Fill `cache` with the committed state; refuse a version the client does not expect."""
+             cache: KVCache, pending_turn_id: bytes = b"") -> stored.Manifest | None:
+        """Fill `cache` with the committed state; refuse a version the client does not expect.
+
+        One exception: the client may name a turn whose commit reply it never got; if that very turn
+        is what moved the session on, the client can adopt the result instead of being refused."""
         manifest = self.read_manifest(session_id, keys)  # checks the key before revealing anything
         if manifest is None:
             if expected_version != 0:
                 raise NotFound(f"no stored state for this session (client expects version {expected_version}); "
                                "it may have expired or been deleted — start a new session")
             return None
-        if manifest.version != expected_version:
+        adopted = bool(pending_turn_id) and manifest.version == expected_version + 1 and \
+            hmac.compare_digest(manifest.turn_id, pending_turn_id.hex())
+        if manifest.version != expected_version and not adopted:
             raise Aborted(f"stored session is at version {manifest.version} but the client expects version "
                           f"{expected_version}; another client moved it on or an old copy was restored")
         if manifest.fingerprint != self.fingerprint:
@@ -55,7 +61,7 @@ class SessionPersistence:
         return manifest
 
     def commit(self, session_id: bytes, keys: stored.SessionKeys, cache: KVCache, previous: stored.Manifest | None,
-               low_water: int, lock: SessionLock) -> stored.Manifest:
+               low_water: int, lock: SessionLock, turn_id: bytes = b"") -> stored.Manifest:
         """Write the turn's new tokens (or compact) and move the session to the next version."""
         version = (previous.version if previous else 0) + 1
         kept = list(previous.chunks) if previous else []
@@ -71,7 +77,8 @@ class SessionPersistence:
         manifest = stored.Manifest(
             version=version, length=cache.length, fingerprint=self.fingerprint, key_check=keys.key_check.hex(),
             first_layer=cache.first_layer, num_layers=cache.num_layers, kv_heads=cache.kv_heads,
-            head_dim=cache.head_dim, dtype=str(cache.dtype).removeprefix("torch."), chunks=kept)
+            head_dim=cache.head_dim, dtype=str(cache.dtype).removeprefix("torch."), chunks=kept,
+            turn_id=turn_id.hex())
         self.store.commit_manifest(session_id, stored.seal_manifest(manifest, keys), lock)
         live = {ref.name for ref in kept}
         garbage = [name for name in self.store.list_chunks(session_id) if name not in live]

@@ -94,6 +94,7 @@ class Manifest:
     head_dim: int
     dtype: str
     chunks: list[ChunkRef]
+    turn_id: str = ""  # hex id of the turn that committed this version
 
 
 # -- manifest ---------------------------------------------------------------------------------

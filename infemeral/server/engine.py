@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 SESSION_ID_BYTES = 16
 SESSION_KEY_BYTES = 32
 LOCK_REFRESH_SECONDS = 10.0
+BUSY_GRACE_SECONDS = 2.0
 
 
 def resolve_device(device: str) -> torch.device:
@@ -68,6 +69,7 @@ class Turn:
     manifest: Manifest | None = None     # the committed state this turn started from
     low_water: int = 0                   # shortest the cache got during the turn (truncations)
     refreshed_at: float = field(default_factory=time.monotonic)
+    turn_id: bytes = b""
     closed: bool = False
     guard: threading.Lock = field(default_factory=threading.Lock)
     idle: threading.Event = field(default_factory=threading.Event)  # no step in the scheduler
@@ -117,7 +119,7 @@ class Engine:
         self.stats = {"forwards": 0, "steps": 0, "tokens": 0, "largest_batch": 0}  # scheduler counters
         self.metrics = None  # set by the server when Prometheus metrics are on
         self._active: dict[bytes, Turn] = {}
-        self._active_lock = threading.Lock()
+        self._active_lock = threading.Condition()
         self._queue: queue.Queue = queue.Queue()
         self._worker = threading.Thread(target=self._run, name="infemeral-engine", daemon=True)
         self._stopping = False
@@ -127,11 +129,14 @@ class Engine:
                  self.pool.page_size, self.backend.name)
 
     # -- turns ------------------------------------------------------------------------------
-    def open_turn(self, session_id: bytes, session_key: bytes, expected_version: int, fingerprint: str) -> Turn:
+    def open_turn(self, session_id: bytes, session_key: bytes, expected_version: int, fingerprint: str,
+                  turn_id: bytes = b"", pending_turn_id: bytes = b"") -> Turn:
         if len(session_id) != SESSION_ID_BYTES:
             raise InvalidArgument(f"session_id must be {SESSION_ID_BYTES} bytes, got {len(session_id)}")
         if len(session_key) != SESSION_KEY_BYTES:
             raise InvalidArgument(f"session_key must be {SESSION_KEY_BYTES} bytes, got {len(session_key)}")
+        if len(turn_id) not in (0, 16) or len(pending_turn_id) not in (0, 16):
+            raise InvalidArgument("turn_id and pending_turn_id must be 16 bytes (or empty)")
         if fingerprint != self.bundle.fingerprint:
             raise FailedPrecondition(
                 "client bundle was prepared against a different server bundle "
@@ -140,6 +145,10 @@ class Engine:
         if self._stopping:
             raise Unavailable("server is shutting down; retry on another replica or later")
         with self._active_lock:
+            # A client that lost its stream may reconnect before the server has seen the old stream end:
+            # give the old turn a moment to close before refusing.
+            if session_id in self._active:
+                self._active_lock.wait_for(lambda: session_id not in self._active, timeout=BUSY_GRACE_SECONDS)
             if session_id in self._active:
                 raise Aborted("this session is already in a turn on this server; wait for it to finish "
                               "(one turn at a time per session)")
@@ -149,16 +158,18 @@ class Engine:
                         PagedSequence(self.pool, self.admission_wait))
             self._active[session_id] = turn
         try:
-            self._load(turn, expected_version)
+            turn.turn_id = turn_id
+            self._load(turn, expected_version, pending_turn_id)
         except BaseException:
             self.close_turn(turn)
             raise
         log.info("turn opened session=%s version=%d length=%d", short_id(session_id), turn.version, turn.cache.length)
         return turn
 
-    def _load(self, turn: Turn, expected_version: int) -> None:
+    def _load(self, turn: Turn, expected_version: int, pending_turn_id: bytes = b"") -> None:
         turn.lock = self.persistence.lock(turn.session_id)
-        turn.manifest = self.persistence.load(turn.session_id, turn.keys, expected_version, turn.cache)
+        turn.manifest = self.persistence.load(turn.session_id, turn.keys, expected_version, turn.cache,
+                                              pending_turn_id)
         turn.version = turn.manifest.version if turn.manifest else 0
         turn.low_water = turn.cache.length
         turn.cache.reserve(turn.cache.length + 1, wait=self.admission_wait)  # admission: room to start
@@ -200,7 +211,7 @@ class Engine:
 
     def commit(self, turn: Turn) -> int:
         manifest = self.persistence.commit(turn.session_id, turn.keys, turn.cache, turn.manifest, turn.low_water,
-                                           turn.lock)
+                                           turn.lock, turn.turn_id)
         turn.manifest, turn.version, turn.low_water = manifest, manifest.version, turn.cache.length
         turn.cache.commit()
         log.info("turn committed session=%s version=%d length=%d chunks=%d", short_id(turn.session_id),
@@ -222,6 +233,7 @@ class Engine:
             with self._active_lock:
                 if self._active.get(turn.session_id) is turn:
                     del self._active[turn.session_id]
+                    self._active_lock.notify_all()
 
     def delete_session(self, session_id: bytes, session_key: bytes) -> None:
         if len(session_id) != SESSION_ID_BYTES or len(session_key) != SESSION_KEY_BYTES:

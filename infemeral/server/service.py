@@ -36,8 +36,10 @@ class InfemeralService(pb_grpc.InfemeralServicer):
             if first is None or first.WhichOneof("kind") != "open":
                 raise InvalidArgument("a turn must start with an `open` message")
             o = first.open
-            turn = self.engine.open_turn(o.session_id, o.session_key, o.expected_version, o.bundle_fingerprint)
-            yield pb.TurnResponse(opened=pb.Opened(version=turn.version, cache_length=turn.cache.length))
+            turn = self.engine.open_turn(o.session_id, o.session_key, o.expected_version, o.bundle_fingerprint,
+                                         o.turn_id, o.pending_turn_id)
+            yield pb.TurnResponse(opened=pb.Opened(version=turn.version, cache_length=turn.cache.length,
+                                                   pending_committed=turn.version == o.expected_version + 1))
             for req in request_iterator:
                 kind = req.WhichOneof("kind")
                 if kind == "step":

@@ -17,16 +17,20 @@ class Tensor(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class OpenTurn(_message.Message):
-    __slots__ = ("session_id", "session_key", "expected_version", "bundle_fingerprint")
+    __slots__ = ("session_id", "session_key", "expected_version", "bundle_fingerprint", "turn_id", "pending_turn_id")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_KEY_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_VERSION_FIELD_NUMBER: _ClassVar[int]
     BUNDLE_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    TURN_ID_FIELD_NUMBER: _ClassVar[int]
+    PENDING_TURN_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: bytes
     session_key: bytes
     expected_version: int
     bundle_fingerprint: str
-    def __init__(self, session_id: _Optional[bytes] = ..., session_key: _Optional[bytes] = ..., expected_version: _Optional[int] = ..., bundle_fingerprint: _Optional[str] = ...) -> None: ...
+    turn_id: bytes
+    pending_turn_id: bytes
+    def __init__(self, session_id: _Optional[bytes] = ..., session_key: _Optional[bytes] = ..., expected_version: _Optional[int] = ..., bundle_fingerprint: _Optional[str] = ..., turn_id: _Optional[bytes] = ..., pending_turn_id: _Optional[bytes] = ...) -> None: ...
 
 class Step(_message.Message):
     __slots__ = ("hidden", "cache_length", "outputs", "evict")
@@ -65,12 +69,14 @@ class TurnRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[OpenTurn, _Mapping]] = ..., step: _Optional[_Union[Step, _Mapping]] = ..., truncate: _Optional[_Union[Truncate, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ...) -> None: ...
 
 class Opened(_message.Message):
-    __slots__ = ("version", "cache_length")
+    __slots__ = ("version", "cache_length", "pending_committed")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CACHE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    PENDING_COMMITTED_FIELD_NUMBER: _ClassVar[int]
     version: int
     cache_length: int
-    def __init__(self, version: _Optional[int] = ..., cache_length: _Optional[int] = ...) -> None: ...
+    pending_committed: bool
+    def __init__(self, version: _Optional[int] = ..., cache_length: _Optional[int] = ..., pending_committed: _Optional[bool] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("hidden", "cache_length", "evicted")

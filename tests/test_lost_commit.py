@@ -1,0 +1,89 @@
+"""A turn whose commit reply is lost: the client asks the server, and adopts or drops the turn."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from infemeral.client.sampling import SamplingParams
+from infemeral.client.sdk import Client
+from infemeral.errors import StatusError
+
+pytestmark = pytest.mark.slow
+PARAMS = SamplingParams(max_new_tokens=6)
+QUESTIONS = ("Name a river.", "How long is it?", "Name another one.")
+
+
+class _Lost(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self):
+        return "connection lost (simulated)"
+
+
+class _Call:
+    """Proxy of a Turn call that can lose the commit on the way out or its reply on the way back."""
+
+    def __init__(self, call, fault):
+        self._call, self._fault = call, fault
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        response = next(self._call)
+        if response.WhichOneof("kind") == "committed" and self._fault.mode == "reply":
+            self._fault.mode = None
+            raise _Lost()
+        return response
+
+    def cancel(self):
+        return self._call.cancel()
+
+
+class Fault(grpc.StreamStreamClientInterceptor):
+    mode: str | None = None  # "reply": the server commits, the client never hears; "request": commit never sent
+
+    def intercept_stream_stream(self, continuation, details, request_iterator):
+        def requests():
+            for r in request_iterator:
+                if r.WhichOneof("kind") == "commit" and self.mode == "request":
+                    self.mode = None
+                    raise _Lost()  # the stream breaks before the commit leaves
+                yield r
+        return _Call(continuation(details, requests()), self)
+
+
+@pytest.fixture
+def faulty(server, bundles):
+    fault = Fault()
+    client = Client(f"127.0.0.1:{server.port}", bundles.client_dir, timeout=120, interceptors=[fault])
+    yield client, fault
+    client.close()
+
+
+def reference_answers(client) -> list[list[int]]:
+    session = client.new_session()
+    return [session.chat(q, PARAMS).token_ids for q in QUESTIONS]
+
+
+@pytest.mark.parametrize("mode", ["reply", "request"])
+def test_lost_commit_is_settled_on_the_next_turn(faulty, client, mode):
+    c, fault = faulty
+    expected = reference_answers(client)
+    session = c.new_session()
+    assert session.chat(QUESTIONS[0], PARAMS).token_ids == expected[0]
+    fault.mode = mode
+    with pytest.raises(StatusError):
+        session.chat(QUESTIONS[1], PARAMS)
+    assert session.version == 1 and len(session.messages) == 2  # nothing assumed yet
+    result = session.chat(QUESTIONS[2], PARAMS)
+    if mode == "reply":  # the second turn did land: it is adopted and the third continues from it
+        assert session.version == 3 and len(session.messages) == 6
+        assert result.token_ids == expected[2]
+    else:  # it never committed: dropped, and the third question continues from the first turn
+        assert session.version == 2 and len(session.messages) == 4
+        other = client.new_session()
+        other.chat(QUESTIONS[0], PARAMS)
+        assert result.token_ids == other.chat(QUESTIONS[2], PARAMS).token_ids
