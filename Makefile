@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # CPU build of torch; on a CUDA pod install the matching CUDA build first.
 TORCH  ?= torch==2.13.0
 
-.PHONY: demo test setup protos clean redis-server
+.PHONY: demo test setup protos clean system-deps
 
 setup: $(STAMP)
 
@@ -21,15 +21,18 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/python scripts/demo.py
 
-test: $(STAMP) redis-server
+test: $(STAMP) system-deps
 	$(BIN)/python -m pytest -q -ra
 
-# The Redis store's tests start a real redis-server; install it when missing.
-redis-server:
-	@command -v redis-server >/dev/null 2>&1 || { \
-	  echo "installing redis-server"; \
+# Tests start a real redis-server and lint the image's scripts with shellcheck; install them when missing.
+SYSTEM_DEPS := redis-server shellcheck
+system-deps:
+	@missing=""; for t in $(SYSTEM_DEPS); do command -v $$t >/dev/null 2>&1 || missing="$$missing $$t"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing$$missing"; \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server >/dev/null; }
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq $$missing >/dev/null; \
+	fi
 
 protos: $(STAMP)
 	$(BIN)/python scripts/gen_protos.py
