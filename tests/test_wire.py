@@ -25,8 +25,10 @@ ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 # Every field a TurnRequest may carry, per message type; anything else is a leak.
 ALLOWED = {
     "infemeral.v1.TurnRequest": {"open", "step", "truncate", "commit"},
-    "infemeral.v1.OpenTurn": {"session_id", "session_key", "expected_version", "bundle_fingerprint"},
-    "infemeral.v1.Step": {"hidden", "cache_length", "outputs"},
+    # turn ids are 16 random bytes naming a turn; evict and cache_length are counts, not token data
+    "infemeral.v1.OpenTurn": {"session_id", "session_key", "expected_version", "bundle_fingerprint", "turn_id",
+                              "pending_turn_id"},
+    "infemeral.v1.Step": {"hidden", "cache_length", "outputs", "evict"},
     "infemeral.v1.Tensor": {"data", "dtype", "shape"},
     "infemeral.v1.Truncate": {"tokens", "cache_length"},
     "infemeral.v1.Commit": set(),
