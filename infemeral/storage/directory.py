@@ -109,7 +109,10 @@ class DirectoryStore(Store):
 
     def commit_manifest(self, session_id: bytes, data: bytes, lock: SessionLock) -> None:
         lock.refresh()
-        self._write(self.folder(session_id), MANIFEST, data)
+        folder = self.folder(session_id)
+        self._write(folder, MANIFEST, data)
+        for leftover in folder.glob(".tmp-*"):  # temp files of writes a crash cut short (we hold the lock)
+            leftover.unlink(missing_ok=True)
 
     def list_chunks(self, session_id: bytes) -> list[str]:
         folder = self.folder(session_id)
