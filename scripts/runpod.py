@@ -38,6 +38,8 @@ import sys
 import tarfile
 from pathlib import Path
 
+from infemeral.cloak.bundle import CLIENT_FORMAT, SERVER_FORMAT, sha256_file
+
 DEFAULT_UID = 10001          # the image's user (docker/Dockerfile ARG UID/GID)
 DEFAULT_GID = 10001
 SERVER_NAME = "infemeral-server"  # the name in the certificate; clients check it via INFEMERAL_TLS_SERVER_NAME
@@ -47,8 +49,6 @@ VOLUME = "/workspace"        # where RunPod mounts the pod's (network) volume
 ROOT = "infemeral"           # top folder of the tarball: /workspace/infemeral/...
 TARBALL = "infemeral-runpod.tar"
 PLACEHOLDER_IMAGE = "YOUR-REGISTRY/infemeral-server:0.1.0"
-SERVER_FORMAT = "infemeral-server-bundle"
-CLIENT_FORMAT = "infemeral-client-bundle"
 
 
 class PackError(Exception):
@@ -56,14 +56,6 @@ class PackError(Exception):
 
 
 # --- the server bundle ------------------------------------------------------------------------
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
 
 def read_server_manifest(bundle_dir: Path, verify: bool = True) -> dict:
     """The manifest of a server bundle, after checking it is one (and, with verify, its file hashes)."""
