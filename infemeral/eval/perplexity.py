@@ -217,12 +217,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sinks", type=int, default=4, help="sink tokens (default: %(default)s)")
     parser.add_argument("--page-size", type=int, default=16, help="eviction page (default: %(default)s)")
     parser.add_argument("--prefill", type=int, default=16, help="tokens in the first step (default: %(default)s)")
-    parser.add_argument("--threads", type=int, help="torch CPU threads")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (default: %(default)s; one token per step gains little from more, "
+                             "and extra threads slow it down badly on a busy machine)")
     parser.add_argument("--write", type=Path, nargs="?", const=DEFAULT_DOC, metavar="PATH",
                         help=f"also put the table into this markdown file (default: {DEFAULT_DOC.relative_to(REPO)})")
     args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
 
     model, tokenizer = load_model(args.model)
     plain = PlainModel.from_transformers(model)

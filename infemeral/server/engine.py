@@ -105,10 +105,10 @@ class Engine:
         layers = [bundle.layer_weights(i) for i in range(bundle.first_layer, bundle.first_layer + bundle.num_layers)]
         self.layers = LayerStack(bundle.config, bundle.first_layer, layers, dtype=self.dtype, device=self.device)
         del layers
-        self.hidden_size = bundle.config.hidden_size
-        self.inv_freq = (rope_shift_frequencies(self.layers.rotary, bundle.config, self.window.max_context)
-                         if self.window.enabled else None)
         config = bundle.config
+        self.hidden_size = config.hidden_size
+        self.inv_freq = (rope_shift_frequencies(self.layers.rotary, config, self.window.max_context)
+                         if self.window.enabled else None)
         self.pool = PagePool(max(1, kv_pool_tokens // self.window.page_size), self.window.page_size,
                              bundle.first_layer, bundle.num_layers, config.num_key_value_heads, head_dim(config),
                              self.dtype, self.device)
@@ -155,10 +155,9 @@ class Engine:
             if len(self._active) >= self.max_sessions:
                 raise ResourceExhausted(f"server is serving its limit of {self.max_sessions} turns; retry shortly")
             turn = Turn(session_id, SessionKeys.derive(session_id, session_key), 0,
-                        PagedSequence(self.pool, self.admission_wait))
+                        PagedSequence(self.pool, self.admission_wait), turn_id=turn_id)
             self._active[session_id] = turn
         try:
-            turn.turn_id = turn_id
             self._load(turn, expected_version, pending_turn_id)
         except BaseException:
             self.close_turn(turn)
