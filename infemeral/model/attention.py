@@ -20,19 +20,30 @@ NAME = "infemeral_cache"
 
 
 def attend(query, key, value, scaling, sliding_window=None):
-    """query [B, H, n, D] = the last n positions of key/value [B, KVH, t, D]; returns [B, n, H, D]."""
-    n, t = query.shape[2], key.shape[2]
+    """query [B, H, n, D] = the last n positions of key/value [B, KVH, t, D]; returns [B, n, H, D].
+
+    With grouped-query attention the G = H / KVH query heads that share a KV head are folded into
+    the query rows, so each KV head is read once (no repeat of keys/values)."""
+    b, h, n, d = query.shape
+    kvh, t = key.shape[1], key.shape[2]
+    windowed = sliding_window is not None and t > sliding_window
+    if n == t and not windowed:  # prefill of an empty cache: plain causal attention
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=n > 1, scale=scaling,
+                                             enable_gqa=kvh != h)
+        return out.transpose(1, 2)
     mask = None
     if n > 1:
         mask = torch.ones(n, t, dtype=torch.bool, device=query.device).tril(t - n)
-    if sliding_window is not None and t > sliding_window:
+    if windowed:
         if mask is None:
             mask = torch.ones(n, t, dtype=torch.bool, device=query.device)
         mask = mask.triu(t - n - sliding_window + 1)  # key j visible to query i iff j > (t - n + i) - window
-    out = F.scaled_dot_product_attention(
-        query, key, value, attn_mask=mask, scale=scaling, enable_gqa=key.shape[1] != query.shape[1]
-    )
-    return out.transpose(1, 2)
+    g = h // kvh
+    folded = query.reshape(b, kvh, g * n, d)  # head kvh*j + i uses KV head j, as in repeat_interleave
+    if mask is not None and g > 1:
+        mask = mask.repeat(g, 1)
+    out = F.scaled_dot_product_attention(folded, key, value, attn_mask=mask, scale=scaling)
+    return out.reshape(b, h, n, d).transpose(1, 2)
 
 
 def cache_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0,

@@ -32,8 +32,14 @@ def torch_paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch
     for i in range(len(qo) - 1):
         pages = kv_indices[kvp[i]:kvp[i + 1]]
         kv_len = (len(pages) - 1) * page_size + last[i]
-        k = k_pages[pages].flatten(0, 1)[:kv_len].transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
-        v = v_pages[pages].flatten(0, 1)[:kv_len].transpose(0, 1).unsqueeze(0)
+        first = int(pages[0])
+        if int(pages[-1]) - first == len(pages) - 1 and torch.equal(pages, torch.arange(first, first + len(pages),
+                                                                                        device=pages.device)):
+            k_run, v_run = k_pages[first:first + len(pages)], v_pages[first:first + len(pages)]  # a view, no copy
+        else:
+            k_run, v_run = k_pages.index_select(0, pages), v_pages.index_select(0, pages)
+        k = k_run.flatten(0, 1)[:kv_len].transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
+        v = v_run.flatten(0, 1)[:kv_len].transpose(0, 1).unsqueeze(0)
         qi = q[qo[i]:qo[i + 1]].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         out[qo[i]:qo[i + 1]] = attend(qi, k, v, sm_scale, sliding_window)[0]
     return out
