@@ -44,6 +44,7 @@ SINKS = "sinks + window"
 NO_SINKS = "window, no sinks"
 NO_REROTATE = "sinks + window, no re-rotation"
 MODES = (DENSE, SINKS, NO_SINKS, NO_REROTATE)
+SHORT_NAMES = {"dense": DENSE, "sinks": SINKS, "no-sinks": NO_SINKS, "no-rerotate": NO_REROTATE}
 
 
 def policies(window: int, sink_tokens: int = 4, page_size: int = 16,
@@ -212,10 +213,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", help="a .gguf file, checkpoint directory or Hub id (default: packaged SmolLM2)")
     parser.add_argument("--text", type=Path, default=DEFAULT_TEXT, help="plain-text file (default: %(default)s)")
     parser.add_argument("--tokens", type=int, help="score only the first N tokens of the text")
-    parser.add_argument("--window", type=int, nargs="+", default=[64, 128, 256],
+    parser.add_argument("--window", type=int, nargs="+", default=[64, 128, 256, 512, 1024],
                         help="window sizes (max_context) to compare (default: %(default)s)")
     parser.add_argument("--sinks", type=int, default=4, help="sink tokens (default: %(default)s)")
     parser.add_argument("--page-size", type=int, default=16, help="eviction page (default: %(default)s)")
+    parser.add_argument("--modes", nargs="+", choices=list(SHORT_NAMES), default=list(SHORT_NAMES),
+                        help="modes to run (default: all; dense is always run, once, as the reference)")
     parser.add_argument("--prefill", type=int, default=16, help="tokens in the first step (default: %(default)s)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (default: %(default)s; one token per step gains little from more, "
@@ -239,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     rows: dict[int, dict[str, Result]] = {}
     dense = None
     for window in args.window:
-        modes = MODES if dense is None else MODES[1:]  # dense does not depend on the window: run it once
+        wanted = tuple(m for m in MODES[1:] if m in {SHORT_NAMES[k] for k in args.modes})
+        modes = wanted if dense is not None else (DENSE, *wanted)  # dense does not depend on the window: run it once
         rows[window] = compare(plain, ids, window, args.sinks, args.page_size, modes, args.prefill,
                                progress=lambda r: print(f"  window {r.policy.max_context if r.policy.enabled else '-'}"
                                                         f" {r.mode}: ppl {r.perplexity:.3f} "
