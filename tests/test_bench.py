@@ -1,0 +1,54 @@
+"""The benchmark package's contract: every section is complete, targets print in one format, --only is checked."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+
+from bench import harness, report  # noqa: E402
+from bench.sections import ORDER, Result, load  # noqa: E402
+
+
+def test_every_section_module_has_the_contract():
+    for name in ORDER:
+        module = load(name)
+        assert module.NAME == name
+        assert module.TITLE and module.__doc__
+        assert callable(module.run) and callable(module.report)
+
+
+def test_target_lines_have_one_format():
+    ok = harness.at_least("context", "float32_decode_ratio", "goal", 0.93, 0.9, "min 0.93x")
+    miss = harness.at_least("concurrency", "8_sessions", "goal", 2.1, 3.5, "2.10x")
+    nan = harness.at_most("store", "history_independent", "goal", math.nan, 1.25, "nan")
+    assert ok.line() == "TARGET context float32_decode_ratio: PASS (min 0.93x)"
+    assert miss.line() == "TARGET concurrency 8_sessions: MISS (2.10x)"
+    assert nan.line() == "TARGET store history_independent: MISS (nan)"  # no figure is no pass
+
+
+def test_interleave_alternates_which_side_goes_first():
+    calls = []
+    base, subj = harness.interleave(3, lambda: calls.append("b") or "b", lambda: calls.append("s") or "s")
+    assert calls == ["b", "s", "s", "b", "b", "s"]
+    assert base == ["b"] * 3 and subj == ["s"] * 3
+
+
+def test_results_json_keeps_row_properties_and_drops_nan(tmp_path):
+    from bench.sections.context import ContextRow
+
+    row = ContextRow("float32", 128, 50.0, 45.0, 30.0, 2.0, 18.0, 300.0, math.nan)
+    doc = report.jsonable(Result("context", "how", [row]))
+    assert doc["rows"][0]["decode_ratio"] == 0.9 and doc["rows"][0]["plain_prefill_ms"] is None
+
+
+def test_cli_refuses_an_unknown_section():
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), "--only", "nonsense"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--only takes" in out.stderr
