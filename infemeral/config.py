@@ -30,7 +30,8 @@ class ServerSettings(BaseSettings):
     max_sessions: int = Field(64, ge=1, description="most turns open at once")
     kv_pool_tokens: int = Field(65536, ge=1, description="KV cache pool size in tokens, shared by all open turns")
     max_batch_tokens: int = Field(8192, ge=1, description="most tokens one batched forward pass may carry")
-    admission_wait: float = Field(10.0, ge=0, description="seconds a new turn waits for KV pages before "
+    admission_wait: float = Field(10.0, ge=0, description="seconds a new turn waits for its KV page quota (and a "
+                                                          "step past its quota for spare pages) before "
                                                           "RESOURCE_EXHAUSTED")
     attention_backend: str = Field("auto", description="auto, torch or flashinfer (auto: FlashInfer on CUDA "
                                                        "when installed)")
@@ -47,6 +48,18 @@ class ServerSettings(BaseSettings):
     metrics_port: int = Field(9400, ge=0, description="Prometheus metrics port (0: off)")
     metrics_host: str = Field("127.0.0.1", description="address the metrics endpoint binds to")
     log_format: str = Field("text", description="text or json")
+
+    def engine_config(self):
+        """The engine's part of these settings, as one frozen `EngineConfig`."""
+        from infemeral.kvcache.window import WindowPolicy
+        from infemeral.server.config import EngineConfig
+
+        return EngineConfig(device=self.device, dtype=self.dtype, max_step_tokens=self.max_step_tokens,
+                            max_sessions=self.max_sessions,
+                            window=WindowPolicy(self.max_context, self.sink_tokens, self.page_size,
+                                                enabled=self.window),
+                            kv_pool_tokens=self.kv_pool_tokens, max_batch_tokens=self.max_batch_tokens,
+                            admission_wait=self.admission_wait, attention_backend=self.attention_backend)
 
 
 class ClientSettings(BaseSettings):

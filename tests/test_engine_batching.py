@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import grpc
 import pytest
@@ -59,22 +60,25 @@ def test_sixteen_concurrent_clients_get_exactly_their_solo_tokens(bundles, tmp_p
 
 
 def test_full_pool_makes_new_turns_wait_then_refuse_with_a_retry_hint(bundles, tmp_path):
-    # 6 pages of 16 tokens; one paused conversation holds 5 of them.
+    # 6 pages of 16 tokens; one paused conversation was granted all of them (its prompt + answer).
     srv = start_server(bundles, tmp_path / "store", kv_pool_tokens=96, admission_wait=1.0, max_context=96,
                        page_size=16)
     client = Client(f"127.0.0.1:{srv.port}", bundles.client_dir, timeout=120)
     long_prompt = "Please write a short story about a lighthouse keeper, a storm, a lost ship and a cat " * 2
+    pool = srv.engine.pool
     try:
         short_alone = client.new_session().chat("Name a colour.", PARAMS).token_ids
         long_alone = client.new_session().chat(long_prompt, PARAMS).token_ids
         hog = client.new_session()
         hog_stream = hog.stream(long_prompt, PARAMS)
         next(hog_stream)  # the hog's turn is open and holds its pages, mid-decode
-        assert srv.engine.pool.free_pages == 1
+        assert pool.spare_pages == 0 and pool.free_pages == 1  # one page is free but promised to the hog
 
         # A new turn waits (bounded) for pages, then gets RESOURCE_EXHAUSTED with a retry hint.
+        started = time.monotonic()
         with pytest.raises(ResourceExhausted, match="retry"):
             client.new_session().chat("Name a colour.", PARAMS)
+        assert time.monotonic() - started >= 0.9
         stub = pb_grpc.InfemeralStub(client.channel)
         requests = [pb.TurnRequest(open=pb.OpenTurn(session_id=b"\1" * 16, session_key=b"\2" * 32,
                                                     bundle_fingerprint=client.bundle.server_fingerprint)),
@@ -85,13 +89,13 @@ def test_full_pool_makes_new_turns_wait_then_refuse_with_a_retry_hint(bundles, t
             list(call)
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry" in info.value.details()
         assert int(dict(call.trailing_metadata())["retry-after-ms"]) > 0
-        assert srv.engine.pool.free_pages == 1  # refused turns gave their pages back
+        assert pool.spare_pages == 0 and pool.free_pages == 1  # refused turns took nothing
 
         # The running turn was not disturbed: exactly the tokens it gets alone.
         "".join(hog_stream)
         assert hog.last_result.token_ids == long_alone
         assert client.new_session().chat("Name a colour.", PARAMS).token_ids == short_alone
-        assert srv.engine.pool.free_pages == srv.engine.pool.num_pages
+        assert pool.free_pages == pool.num_pages and pool.promised_pages == 0
     finally:
         client.close()
         srv.stop(0)

@@ -175,3 +175,30 @@ def test_flashinfer_matches_torch_backend():
 
     out = backend.run(q.half().to(dev), k_pages.half().to(dev), v_pages.half().to(dev), Batch, D ** -0.5)
     assert (out.float().cpu() - ref).abs().max() < 2e-2
+
+
+@pytest.mark.parametrize("table", [[3, 4, 5, 6], [3, 5, 4, 6], [6, 5, 4, 3], [0, 2, 1, 3]])
+def test_block_table_order_is_respected(table):
+    """A table whose first and last pages look like a contiguous run ([3, 5, 4, 6]) must still be read in
+    table order: only a truly contiguous run may be read as one slice of the pool. (Every position is a
+    query, so the causal mask makes the order of the keys matter.)"""
+    g = torch.Generator().manual_seed(3)
+    length = 3 * PAGE + 5
+    k, v = torch.randn(length, KVH, D, generator=g), torch.randn(length, KVH, D, generator=g)
+    k_pages, v_pages = torch.randn(8, PAGE, KVH, D, generator=g), torch.randn(8, PAGE, KVH, D, generator=g)
+    for i, p in enumerate(table):
+        chunk = slice(i * PAGE, min(length, (i + 1) * PAGE))
+        k_pages[p, : chunk.stop - chunk.start] = k[chunk]
+        v_pages[p, : chunk.stop - chunk.start] = v[chunk]
+
+    class Batch:  # the CSR fields a PagedBatch carries, for one sequence prefilled in one step
+        qo_indptr = torch.tensor([0, length], dtype=torch.int32)
+        kv_indptr = torch.tensor([0, len(table)], dtype=torch.int32)
+        kv_indices = torch.tensor(table, dtype=torch.long)
+        kv_last_page_len = torch.tensor([length - 3 * PAGE], dtype=torch.int32)
+
+    q = torch.randn(length, H, D, generator=g)
+    backend = TorchBackend()
+    backend.plan(Batch)
+    out = backend.run(q, k_pages, v_pages, Batch, D ** -0.5)
+    assert (out - naive(q, k, v, D ** -0.5)).abs().max() < 1e-4

@@ -58,16 +58,14 @@ class Conversation:
         self.keys = stored.SessionKeys.derive(self.id, self.key)
         self.cache, self.manifest, self.seed = new_cache(), None, seed
 
-    def turn(self, new_tokens: int, drop: int = 0) -> stored.Manifest:
+    def turn(self, new_tokens: int, drop: int = 0, turn_id: bytes = b"") -> stored.Manifest:
         lock = self.p.lock(self.id)
         try:
-            low = self.cache.length
             if drop:
                 self.cache.truncate(drop)
-                low = self.cache.length
             self.seed += 1
             grow(self.cache, new_tokens, self.seed)
-            self.manifest = self.p.commit(self.id, self.keys, self.cache, self.manifest, low, lock)
+            self.manifest = self.p.commit(self.id, self.keys, self.cache, self.manifest, lock, turn_id)
             self.cache.commit()
             return self.manifest
         finally:
@@ -103,7 +101,7 @@ def put_files(store, session_id, files: dict[str, bytes]) -> None:
     try:
         for name in store.list_chunks(session_id):
             if name not in files:
-                store.delete_chunks(session_id, [name])
+                store.delete_chunks(session_id, [name], lock)
         for name, data in files.items():
             if name != "manifest":
                 store.write_chunk(session_id, name, data)
@@ -119,19 +117,47 @@ def flip(data: bytes, index: int) -> bytes:
 
 
 # -- round trips and what is written ------------------------------------------------------------------
-def test_turns_round_trip_and_compact(store):
+def test_turns_round_trip_keep_untouched_chunks_and_compact(store):
     c = Conversation(store)
     for n in (5, 1, 1, 7):
         c.turn(n)
         c.assert_loads_equal()
-    assert [r.end - r.start for r in c.manifest.chunks] == [5, 1, 1, 7]
-    c.turn(2, drop=3)  # drops committed tokens: compaction into one chunk
-    assert len(c.manifest.chunks) == 1 and c.manifest.length == 14 - 3 + 2
-    assert store.list_chunks(c.id) == [c.manifest.chunks[0].name]  # old chunks removed
+    assert [(r.start, r.end) for r in c.manifest.chunks] == [(0, 5), (5, 6), (6, 7), (7, 14)]
+    first = [r.name for r in c.manifest.chunks]
+    c.turn(2, drop=3)  # drops committed tokens of the last chunk: it is rewritten, the others are kept
+    assert [(r.start, r.end) for r in c.manifest.chunks] == [(0, 5), (5, 6), (6, 7), (7, 13)]
+    assert [r.name for r in c.manifest.chunks][:3] == first[:3]
+    assert sorted(store.list_chunks(c.id)) == sorted(r.name for r in c.manifest.chunks)  # old chunk removed
+    c.assert_loads_equal()
+    c.turn(1, drop=8)  # back to the end of the first chunk: it is kept, everything after the cut rewritten
+    assert [(r.start, r.end) for r in c.manifest.chunks] == [(0, 5), (5, 6)]
+    assert c.manifest.chunks[0].name == first[0]
+    c.turn(1, drop=3)  # ... and into it: nothing is kept
+    assert [(r.start, r.end) for r in c.manifest.chunks] == [(0, 4)] and c.manifest.chunks[0].name != first[0]
     c.assert_loads_equal()
     for _ in range(SessionPersistence(store, FP).max_chunks + 1):  # chunks pile up: compaction
         c.turn(1)
     assert len(c.manifest.chunks) < SessionPersistence(store, FP).max_chunks
+    assert store.list_chunks(c.id) == sorted(r.name for r in c.manifest.chunks)
+    c.assert_loads_equal()
+
+
+def test_an_eviction_rewrites_everything_after_the_sinks(store):
+    """An eviction moves every position after the sinks; the stored chunks must follow (issue: a commit
+    that appended only the tail left the pre-eviction keys/values in the store)."""
+    c = Conversation(store)
+    c.turn(10)
+    c.turn(6)
+    lock = c.p.lock(c.id)
+    try:
+        c.cache.evict(4, 8, lambda k: k * 2)  # moved keys differ from the stored ones
+        assert c.cache.committed_length == 4
+        grow(c.cache, 9, seed=77)  # 8 + 9 = 17 >= the stored 16 tokens: the append-only rule would keep them
+        c.manifest = c.p.commit(c.id, c.keys, c.cache, c.manifest, lock)
+        c.cache.commit()
+    finally:
+        lock.release()
+    assert [(r.start, r.end) for r in c.manifest.chunks] == [(0, 17)]
     c.assert_loads_equal()
 
 
@@ -345,3 +371,91 @@ def test_delete_removes_everything(store):
     assert store.read_manifest(c.id) is None and store.list_chunks(c.id) == []
     with pytest.raises(NotFound):
         c.p.delete(c.id, c.keys)
+
+
+# -- fencing: what a holder may do once its hold is gone --------------------------------------------------
+def test_a_pending_turn_is_adopted_only_by_its_own_turn_id(store):
+    """A client that lost a commit reply may adopt version + 1 only if that very turn committed it; a
+    version another device committed meanwhile is refused like any other stale version."""
+    c = Conversation(store)
+    mine, theirs = os.urandom(16), os.urandom(16)
+    c.turn(3, turn_id=os.urandom(16))
+    c.turn(2, turn_id=mine)
+    adopted = new_cache()
+    assert c.p.load(c.id, c.keys, 1, adopted, pending_turn_id=mine).version == 2
+    assert adopted.length == c.cache.length
+    c.turn(1, turn_id=theirs)  # version 3, from another device
+    with pytest.raises(Aborted, match="stored session is at version 3 but the client expects version 2"):
+        c.p.load(c.id, c.keys, 2, new_cache(), pending_turn_id=mine)
+    with pytest.raises(Aborted, match="at version 3 but the client expects version 2"):
+        c.p.load(c.id, c.keys, 2, new_cache(), pending_turn_id=os.urandom(16))
+    assert c.p.load(c.id, c.keys, 2, new_cache(), pending_turn_id=theirs).version == 3
+
+
+def test_chunks_are_deleted_only_under_a_live_lock(store):
+    c = Conversation(store)
+    c.turn(3)
+    name = c.manifest.chunks[0].name
+    lock = store.lock(c.id)
+    lock.release()
+    with pytest.raises(SessionBusy):
+        store.delete_chunks(c.id, [name], lock)
+    assert store.list_chunks(c.id) == [name]
+    c.assert_loads_equal()
+
+
+def test_a_holder_whose_lease_expired_cannot_delete_the_next_holders_chunk(redis_url, monkeypatch):
+    """Holder A commits, then stalls before removing stale chunks; its lease runs out, B takes the session
+    and commits a new chunk. A's clean-up must not delete it (B's manifest would name a missing chunk)."""
+    s = open_store(redis_url)
+    a = Conversation(s)
+    a.turn(3)
+    b = Conversation(s)
+    b.id, b.key, b.keys = a.id, a.key, a.keys
+    real_commit = s.commit_manifest
+
+    def commit_then_stall(session_id, data, lock):
+        real_commit(session_id, data, lock)
+        monkeypatch.setattr(s, "commit_manifest", real_commit)
+        time.sleep(0.5)  # A's lease (0.2 s) runs out here
+        b.cache = b.load(version=2)
+        b.manifest = b.p.read_manifest(b.id, b.keys)
+        b.turn(4)  # version 3: a new chunk A has never heard of
+
+    monkeypatch.setattr(s, "commit_manifest", commit_then_stall)
+    lock = s.lock(a.id, lease_seconds=0.2)
+    grow(a.cache, 2, seed=9)
+    a.manifest = a.p.commit(a.id, a.keys, a.cache, a.manifest, lock)
+    lock.release()
+    assert set(r.name for r in b.manifest.chunks) <= set(s.list_chunks(b.id))
+    b.assert_loads_equal()
+    s.close()
+
+
+def test_directory_lock_taken_while_its_holder_removes_the_file(tmp_path, monkeypatch):
+    """The holder of an uncommitted session removes its folder, lock file included, when it lets go. A turn
+    that opened the old lock file just before must not end up holding a lock on the removed file while a
+    third turn locks the new one."""
+    from infemeral.storage import directory
+
+    store = open_store(tmp_path / "store")
+    sid = os.urandom(16)
+    first = store.lock(sid)
+    real_open = os.open
+    raced = []
+
+    def open_then_let_go(path, flags, mode=0o777, **kw):
+        fd = real_open(path, flags, mode, **kw)
+        if str(path).endswith("/lock") and not raced:
+            raced.append(path)
+            first.release()  # no manifest: removes the folder and the lock file we just opened
+        return fd
+
+    monkeypatch.setattr(directory.os, "open", open_then_let_go)
+    second = store.lock(sid)
+    monkeypatch.setattr(directory.os, "open", real_open)
+    assert raced
+    with pytest.raises(SessionBusy):
+        store.lock(sid)
+    second.release()
+    store.lock(sid).release()

@@ -4,7 +4,8 @@ It speaks the one method transformers' attention modules call on a cache,
 `update(key, value, layer_idx)`, so the model's own layers run unchanged and
 write their keys and values here. A turn appends to it; `commit()` marks the
 current length as durable and `rollback()` returns to the last commit, which is
-how a turn stays atomic on both the client and the server.
+how a turn stays atomic on both the client and the server. It is a
+`KVSequence` (kvcache/sequence.py), like the server's paged sequences.
 """
 
 from __future__ import annotations

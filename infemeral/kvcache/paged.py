@@ -7,6 +7,14 @@ pages[t // page_size] at offset t % page_size. Pages are zeroed when they are
 returned, so no plaintext outlives its session, and never shared between
 sessions (no prefix sharing: deduplication would tell the server that two
 sessions hold the same text).
+
+Quotas keep an admitted turn from being starved half-way through its answer:
+when a turn opens it is *granted* the pages it may still need, and the pool
+admits a new grant only while its free pages, less every page promised to a
+grant but not yet taken, cover it. A turn draws on its own grant first, so it
+never waits for pages within it; pages it frees (a truncation, an eviction)
+go back to its grant. Growth past the grant comes only from pages nobody was
+promised, and may be refused.
 """
 
 from __future__ import annotations
@@ -40,68 +48,112 @@ class PagePool:
         self.k = [torch.empty(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self.v = [torch.empty(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self._free = list(range(num_pages))  # a heap: lowest ids first keeps sequences mostly contiguous
+        self._promised = 0  # free pages set aside for grants (invariant: never more than the free pages)
         self._cond = threading.Condition()
 
     @property
     def free_pages(self) -> int:
         return len(self._free)
 
+    @property
+    def promised_pages(self) -> int:
+        """Free pages that belong to the grants of open turns."""
+        return self._promised
+
+    @property
+    def spare_pages(self) -> int:
+        """Free pages nobody was promised: what a new grant, or growth past a grant, may take."""
+        with self._cond:
+            return len(self._free) - self._promised
+
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
 
-    def alloc(self, n: int, wait: float = 0.0) -> list[int]:
-        """Take n pages, waiting up to `wait` seconds for other sessions to free some."""
+    def grant(self, n: int, wait: float = 0.0) -> None:
+        """Promise n pages to one turn, waiting up to `wait` seconds for other turns to give some back."""
         if n > self.num_pages:
-            raise PoolExhausted(f"a session needs {n} KV pages but the pool has {self.num_pages}; "
+            raise PoolExhausted(f"a turn needs up to {n} KV pages but the whole pool has {self.num_pages}; "
                                 "raise kv_pool_tokens or lower max_context", retry_after=0)
         deadline = time.monotonic() + wait
         with self._cond:
-            while len(self._free) < n:
+            while len(self._free) - self._promised < n:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise PoolExhausted(f"the server's KV cache pool is full ({self.num_pages} pages in use); "
-                                        "retry in a few seconds")
+                    raise PoolExhausted(f"the server's KV cache pool is full (its {self.num_pages} pages are in use "
+                                        "or reserved by running turns); retry in a few seconds")
                 self._cond.wait(left)
+            self._promised += n
+
+    def take(self, n: int, granted: int = 0) -> list[int]:
+        """Take n pages, `granted` of them from the caller's grant; the rest only from spare pages."""
+        with self._cond:
+            if n - granted > len(self._free) - self._promised:
+                raise PoolExhausted("the server's KV cache pool has no spare pages for this growth; "
+                                    "retry in a few seconds")
+            self._promised -= granted
             return [heapq.heappop(self._free) for _ in range(n)]
 
-    def release(self, pages: list[int]) -> None:
-        """Wipe pages and return them to the pool."""
-        if not pages:
-            return
-        index = torch.tensor(pages, device=self.device)
-        for store in (self.k, self.v):
-            for t in store:
-                t.index_fill_(0, index, 0)
+    def release(self, pages: list[int], regrant: int = 0) -> None:
+        """Wipe pages and return them to the pool; `regrant` of them stay promised to their turn's grant
+        (negative: also cancel that many unused promised pages)."""
+        if pages:
+            index = torch.tensor(pages, device=self.device)
+            for store in (self.k, self.v):
+                for t in store:
+                    t.index_fill_(0, index, 0)
         with self._cond:
             for p in pages:
                 heapq.heappush(self._free, p)
+            self._promised += regrant
             self._cond.notify_all()
 
 
 class PagedSequence:
-    """One session's KV in the pool; the same interface as the contiguous KVCache for the store."""
+    """One session's KV in the pool; a `KVSequence` like the contiguous KVCache, for the store and the window."""
 
-    def __init__(self, pool: PagePool, admission_wait: float = 0.0):
+    def __init__(self, pool: PagePool):
         self.pool = pool
         self.first_layer, self.num_layers = pool.first_layer, pool.num_layers
         self.kv_heads, self.head_dim, self.dtype = pool.kv_heads, pool.head_dim, pool.dtype
-        self.admission_wait = admission_wait
         self.pages: list[int] = []
+        self.quota_pages = 0  # pages this sequence was granted: it can always hold this many
         self.length = 0
         self.committed_length = 0
 
     # -- pages ------------------------------------------------------------------------------------
-    def reserve(self, tokens: int, wait: float = 0.0) -> None:
-        """Make sure pages exist for `tokens` positions."""
+    @property
+    def quota_tokens(self) -> int:
+        return self.quota_pages * self.pool.page_size
+
+    @property
+    def unused_quota(self) -> int:
+        """Pages of the grant not taken yet (promised to this sequence in the pool)."""
+        return max(0, self.quota_pages - len(self.pages))
+
+    def grant(self, tokens: int, wait: float = 0.0) -> None:
+        """Reserve room for `tokens` positions in the pool, waiting up to `wait` seconds (at most once)."""
+        if self.quota_pages or self.pages:
+            raise RuntimeError("a sequence is granted its quota once, before it takes pages")
+        pages = self.pool.pages_for(tokens)
+        self.pool.grant(pages, wait)
+        self.quota_pages = pages
+
+    def can_hold(self, tokens: int) -> bool:
+        """Whether `tokens` positions fit the grant (and so never wait for pages)."""
+        return self.pool.pages_for(tokens) <= max(self.quota_pages, len(self.pages))
+
+    def reserve(self, tokens: int) -> None:
+        """Make sure pages exist for `tokens` positions: from the grant first, then from spare pages."""
         missing = self.pool.pages_for(tokens) - len(self.pages)
         if missing > 0:
-            self.pages += self.pool.alloc(missing, wait)
+            self.pages += self.pool.take(missing, granted=min(missing, self.unused_quota))
 
     def _trim(self) -> None:
         keep = self.pool.pages_for(self.length)
         if len(self.pages) > keep:
+            before = self.unused_quota
             extra, self.pages = self.pages[keep:], self.pages[:keep]
-            self.pool.release(extra)
+            self.pool.release(extra, regrant=self.unused_quota - before)
 
     def slots(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(page ids, offsets) of positions [start, end)."""
@@ -118,7 +170,7 @@ class PagedSequence:
         self.pool.k[slot][pages, offsets] = keys.transpose(0, 1).to(self.dtype)
         self.pool.v[slot][pages, offsets] = values.transpose(0, 1).to(self.dtype)
 
-    # -- the KVCache interface used by the store, the window and the engine ----------------------------
+    # -- the KVSequence interface used by the store, the window and the engine ----------------------------
     def layer_tensors(self, slot: int, start: int = 0, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         end = self.length if end is None else end
         pages, offsets = self.slots(start, end)
@@ -126,7 +178,7 @@ class PagedSequence:
                 self.pool.v[slot][pages, offsets].transpose(0, 1))
 
     def load_layer(self, slot: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        self.reserve(keys.shape[1], wait=self.admission_wait)
+        self.reserve(keys.shape[1])
         self.write(slot, 0, keys.to(self.pool.device), values.to(self.pool.device))
 
     def set_length(self, length: int) -> None:
@@ -141,6 +193,8 @@ class PagedSequence:
 
     def evict(self, start: int, count: int, rekey) -> None:
         """Drop positions [start, start + count), move later ones down (re-keyed), free whole pages."""
+        if start + count > self.length:
+            raise ValueError(f"cannot evict {count} tokens from {start} in a cache of {self.length}")
         end = self.length
         for slot in range(self.num_layers):
             k, v = self.layer_tensors(slot, start + count, end)
@@ -153,10 +207,11 @@ class PagedSequence:
         self.committed_length = self.length
 
     def wipe(self) -> None:
-        """Return every page (zeroed) to the pool."""
-        pages, self.pages = self.pages, []
+        """Return every page (zeroed) to the pool, and whatever is left of the grant."""
+        unused, pages = self.unused_quota, self.pages
+        self.pages, self.quota_pages = [], 0
         self.length = self.committed_length = 0
-        self.pool.release(pages)
+        self.pool.release(pages, regrant=-unused)
 
 
 class PagedBatch:

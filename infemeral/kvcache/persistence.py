@@ -1,12 +1,18 @@
 """Loading and committing a session's encrypted KV cache through a storage backend.
 
-Commit appends: only tokens added since the last commit are encrypted and
-written (one chunk), so bytes written per turn follow the turn's new tokens,
-not the conversation's length. When a turn dropped committed tokens, or chunks
-have piled up, the commit compacts: it writes the whole cache as one chunk.
-The manifest is replaced last and atomically; chunks it no longer names are
-removed afterwards, and orphans of an interrupted commit are removed by the
-next one.
+Commit appends: the stored chunks that still describe the live cache
+correctly are kept, and only the positions after them are encrypted and
+written (one chunk). What is still correct is the cache's `committed_length`:
+the leading positions untouched since the last commit. A turn that only adds
+tokens keeps every chunk and writes just its new tokens, so bytes written per
+turn follow the turn, not the conversation. A truncation into committed tokens
+rewrites from the last chunk that ends before the cut. A window slide moves
+every position after the sinks, so a turn that evicted rewrites the whole
+window (that is the price of the window: O(max_context) bytes on such turns).
+When chunks pile up the commit compacts everything into one. The manifest is
+replaced last and atomically; chunks it no longer names are removed afterwards
+(only while the session lock is still ours), and orphans of an interrupted
+commit are removed by the next one.
 """
 
 from __future__ import annotations
@@ -16,12 +22,22 @@ import logging
 
 from infemeral.errors import Aborted, FailedPrecondition, NotFound
 from infemeral.kvcache import stored
-from infemeral.kvcache.cache import KVCache
-from infemeral.storage.base import SessionLock, Store
+from infemeral.kvcache.sequence import KVSequence
+from infemeral.storage.base import SessionBusy, SessionLock, Store, store_errors
 
 log = logging.getLogger(__name__)
 
 MAX_CHUNKS = 16
+
+
+def intact_chunks(chunks: list[stored.ChunkRef], intact: int) -> list[stored.ChunkRef]:
+    """The leading chunks that lie wholly within the first `intact` positions."""
+    kept = []
+    for ref in chunks:
+        if ref.end > intact:
+            break
+        kept.append(ref)
+    return kept
 
 
 class SessionPersistence:
@@ -37,9 +53,9 @@ class SessionPersistence:
         blob = self.store.read_manifest(session_id)
         return None if blob is None else stored.open_manifest(blob, keys)
 
-    def load(self, session_id: bytes, keys: stored.SessionKeys, expected_version: int,
-             cache: KVCache, pending_turn_id: bytes = b"") -> stored.Manifest | None:
-        """Fill `cache` with the committed state; refuse a version the client does not expect.
+    def read_committed(self, session_id: bytes, keys: stored.SessionKeys, expected_version: int,
+                       pending_turn_id: bytes = b"") -> stored.Manifest | None:
+        """The committed manifest (None for a new session); refuse a version the client does not expect.
 
         One exception: the client may name a turn whose commit reply it never got; if that very turn
         is what moved the session on, the client can adopt the result instead of being refused."""
@@ -56,20 +72,32 @@ class SessionPersistence:
                           f"{expected_version}; another client moved it on or an old copy was restored")
         if manifest.fingerprint != self.fingerprint:
             raise FailedPrecondition("stored session was made with a different server bundle and cannot be resumed")
-        chunks = [(ref, self.store.read_chunk(session_id, ref.name)) for ref in manifest.chunks]
-        stored.load_into(cache, chunks, manifest, keys)
         return manifest
 
-    def commit(self, session_id: bytes, keys: stored.SessionKeys, cache: KVCache, previous: stored.Manifest | None,
-               low_water: int, lock: SessionLock, turn_id: bytes = b"") -> stored.Manifest:
-        """Write the turn's new tokens (or compact) and move the session to the next version."""
+    def fill(self, session_id: bytes, keys: stored.SessionKeys, manifest: stored.Manifest | None,
+             cache: KVSequence) -> None:
+        """Decrypt the committed state into `cache` (nothing for a new session)."""
+        if manifest is None:
+            return
+        chunks = [(ref, self.store.read_chunk(session_id, ref.name)) for ref in manifest.chunks]
+        stored.load_into(cache, chunks, manifest, keys)
+
+    def load(self, session_id: bytes, keys: stored.SessionKeys, expected_version: int,
+             cache: KVSequence, pending_turn_id: bytes = b"") -> stored.Manifest | None:
+        """Fill `cache` with the committed state (see `read_committed`)."""
+        manifest = self.read_committed(session_id, keys, expected_version, pending_turn_id)
+        self.fill(session_id, keys, manifest, cache)
+        return manifest
+
+    def commit(self, session_id: bytes, keys: stored.SessionKeys, cache: KVSequence,
+               previous: stored.Manifest | None, lock: SessionLock, turn_id: bytes = b"") -> stored.Manifest:
+        """Write what changed since `previous` (the state `cache` was loaded from or last committed to) and
+        move the session to the next version."""
         version = (previous.version if previous else 0) + 1
-        kept = list(previous.chunks) if previous else []
-        stored_length = previous.length if previous else 0
-        if low_water < stored_length or len(kept) >= self.max_chunks:
-            kept, start = [], 0  # compaction: rewrite everything as one chunk
-        else:
-            start = stored_length
+        kept = intact_chunks(previous.chunks, cache.committed_length) if previous else []
+        if len(kept) >= self.max_chunks:
+            kept = []  # compaction: rewrite everything as one chunk
+        start = kept[-1].end if kept else 0
         if cache.length > start:
             ref, blob = stored.seal_chunk(cache, keys, start, cache.length, version)
             self.store.write_chunk(session_id, ref.name, blob)
@@ -80,14 +108,19 @@ class SessionPersistence:
             head_dim=cache.head_dim, dtype=str(cache.dtype).removeprefix("torch."), chunks=kept,
             turn_id=turn_id.hex())
         self.store.commit_manifest(session_id, stored.seal_manifest(manifest, keys), lock)
-        live = {ref.name for ref in kept}
-        garbage = [name for name in self.store.list_chunks(session_id) if name not in live]
-        if garbage:
-            try:
-                self.store.delete_chunks(session_id, garbage)
-            except OSError:
-                log.warning("could not remove %d stale chunks; the next commit retries", len(garbage))
+        self._remove_garbage(session_id, {ref.name for ref in kept}, lock)
         return manifest
+
+    def _remove_garbage(self, session_id: bytes, live: set[str], lock: SessionLock) -> None:
+        """Delete chunks the new manifest does not name. The commit has landed whatever happens here."""
+        try:
+            garbage = [name for name in self.store.list_chunks(session_id) if name not in live]
+            if garbage:
+                self.store.delete_chunks(session_id, garbage, lock)
+        except SessionBusy:
+            log.warning("lost the session lock before removing stale chunks; the next commit removes them")
+        except store_errors():
+            log.warning("could not remove stale chunks; the next commit retries")
 
     def delete(self, session_id: bytes, keys: stored.SessionKeys) -> None:
         if self.read_manifest(session_id, keys) is None:

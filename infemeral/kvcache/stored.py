@@ -34,7 +34,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from infemeral.errors import DataLoss, FailedPrecondition, PermissionDenied
-from infemeral.kvcache.cache import KVCache
+from infemeral.kvcache.sequence import KVSequence
 
 FORMAT_VERSION = 1
 MANIFEST_MAGIC = b"INFKM"
@@ -141,7 +141,7 @@ def _segment_aad(keys: SessionKeys, layer: int, ref: ChunkRef) -> bytes:
                      bytes.fromhex(ref.salt))
 
 
-def seal_chunk(cache: KVCache, keys: SessionKeys, start: int, end: int, version: int) -> tuple[ChunkRef, bytes]:
+def seal_chunk(cache: KVSequence, keys: SessionKeys, start: int, end: int, version: int) -> tuple[ChunkRef, bytes]:
     """Encrypt tokens [start, end) of every layer of `cache` as one chunk."""
     salt = os.urandom(16)
     ref = ChunkRef(f"chunk-{version:08d}-{salt.hex()[:12]}", start, end, version, salt.hex())
@@ -202,7 +202,7 @@ def decrypt_layers(chunks: list[tuple[ChunkRef, bytes | None]], manifest: Manife
         yield slot, kv[0], kv[1]
 
 
-def load_into(cache: KVCache, chunks: list[tuple[ChunkRef, bytes | None]], manifest: Manifest,
+def load_into(cache: KVSequence, chunks: list[tuple[ChunkRef, bytes | None]], manifest: Manifest,
               keys: SessionKeys) -> None:
     """Fill `cache` from decrypted chunks; decryption of layer i+1 overlaps the copy of layer i."""
     if (manifest.first_layer, manifest.num_layers, manifest.kv_heads, manifest.head_dim) != \
@@ -219,19 +219,39 @@ def load_into(cache: KVCache, chunks: list[tuple[ChunkRef, bytes | None]], manif
         cache.set_length(0)
         return
     ready: queue.Queue = queue.Queue(maxsize=2)
+    done = threading.Event()  # the consumer has stopped: the producer must not block on a full queue
+
+    def hand_over(item) -> bool:
+        while not done.is_set():
+            try:
+                ready.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
 
     def produce():
         try:
             for item in decrypt_layers(chunks, manifest, keys):
-                ready.put(item)
-            ready.put(None)
+                if not hand_over(item):
+                    return
+            hand_over(None)
         except BaseException as e:  # handed to the consumer
-            ready.put(e)
+            hand_over(e)
 
-    threading.Thread(target=produce, name="infemeral-decrypt", daemon=True).start()
-    while (item := ready.get()) is not None:
-        if isinstance(item, BaseException):
-            raise item
-        slot, k, v = item
-        cache.load_layer(slot, k, v)
+    producer = threading.Thread(target=produce, name="infemeral-decrypt", daemon=True)
+    producer.start()
+    try:
+        while (item := ready.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            slot, k, v = item
+            cache.load_layer(slot, k, v)
+    finally:
+        # On any failure (a bad segment, no room for the pages) stop the producer and drop the decrypted
+        # layers it queued, so neither ciphertext nor plaintext outlives the failed load.
+        done.set()
+        producer.join()
+        while not ready.empty():
+            ready.get_nowait()
     cache.set_length(manifest.length)

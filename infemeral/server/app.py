@@ -13,7 +13,6 @@ from grpc_reflection.v1alpha import reflection
 
 from infemeral.cloak.bundle import ServerBundle
 from infemeral.config import ServerSettings
-from infemeral.kvcache.window import WindowPolicy
 from infemeral.protocol import SERVICE_NAME, pb_grpc
 from infemeral.server.engine import Engine
 from infemeral.server.metrics import Metrics
@@ -33,12 +32,9 @@ class Server:
         self.settings = settings
         self._stopped = threading.Event()
         bundle = ServerBundle.open(settings.bundle, verify=settings.verify_bundle)
-        self.engine = Engine(bundle, open_store(settings.store, settings.session_ttl_seconds), device=settings.device, dtype=settings.dtype,
-                             max_step_tokens=settings.max_step_tokens, max_sessions=settings.max_sessions,
-                             window=WindowPolicy(settings.max_context, settings.sink_tokens, settings.page_size,
-                                                 enabled=settings.window),
-                             kv_pool_tokens=settings.kv_pool_tokens, max_batch_tokens=settings.max_batch_tokens,
-                             admission_wait=settings.admission_wait, attention_backend=settings.attention_backend)
+        self.metrics = Metrics()
+        self.engine = Engine(bundle, open_store(settings.store, settings.session_ttl_seconds),
+                             settings.engine_config(), metrics=self.metrics)
         self.max_message_bytes = settings.max_step_tokens * bundle.config.hidden_size * 4 + WIRE_OVERHEAD
         options = [
             ("grpc.max_receive_message_length", self.max_message_bytes),
@@ -52,11 +48,9 @@ class Server:
         interceptors = [ApiKeyInterceptor(keys)] if keys else []
         self.grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=settings.workers), options=options,
                                        interceptors=interceptors)
-        self.metrics = Metrics()
         self.metrics.pool_total.set(self.engine.pool.num_pages)
         self.metrics.pool_used.set_function(lambda: self.engine.pool.num_pages - self.engine.pool.free_pages)
         self.metrics.active_turns.set_function(lambda: self.engine.active_turns)
-        self.engine.metrics = self.metrics
         pb_grpc.add_InfemeralServicer_to_server(InfemeralService(self.engine, self.max_message_bytes),
                                                 self.grpc_server)
         self.health = health.HealthServicer()
@@ -103,7 +97,7 @@ class Server:
     def stop(self, grace: float | None = None) -> None:
         """Stop taking new turns, let open ones finish within `grace` seconds, then stop."""
         self.health.enter_graceful_shutdown()
-        self.engine._stopping = True
+        self.engine.begin_shutdown()
         self.grpc_server.stop(self.settings.grace_seconds if grace is None else grace).wait()
         self._stopped.set()
         self.metrics.stop()

@@ -1,10 +1,11 @@
-"""The server engine: served layers, a shared KV page pool, open turns, and a batching scheduler.
+"""The server engine: turns, and one worker that batches the steps of all sessions.
 
-gRPC handler threads never touch the model. They open turns here (loading the
-session's stored cache straight into its pages) and submit steps; one worker
-thread drains the pending steps of *all* sessions and runs them together in one
-ragged forward pass (continuous batching: prefill and decode mixed, no padding,
-first come first served up to a token budget). All page-pool mutations made
+gRPC handlers open turns here (loading the session's stored cache straight into
+its pages), submit steps, truncate, commit and close; they never touch the
+model. One worker thread runs the loop — drain the steps that arrived, let the
+scheduler pick a batch, let the model runner run it, deliver the answers — so
+the pending steps of *all* sessions share one ragged forward pass (continuous
+batching: prefill and decode mixed, no padding). All page-pool mutations made
 for steps happen on that worker, so sessions can never step on each other.
 """
 
@@ -12,46 +13,34 @@ from __future__ import annotations
 
 import logging
 import queue
-from collections import deque
 import threading
 import time
-from concurrent.futures import Future
-from dataclasses import dataclass, field
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import asdict, dataclass
 
 import torch
 
-from infemeral.cloak.bundle import ServerBundle, dtype_name
-from infemeral.errors import (Aborted, FailedPrecondition, InvalidArgument,
-                              ResourceExhausted, Unavailable)
+from infemeral.cloak.bundle import ServerBundle
+from infemeral.errors import Aborted, FailedPrecondition, InvalidArgument, ResourceExhausted, StatusError, Unavailable
+from infemeral.kvcache.paged import PagedSequence, PagePool
 from infemeral.kvcache.persistence import SessionPersistence
-from infemeral.kvcache.stored import Manifest, SessionKeys
-from infemeral.kvcache.window import WindowPolicy, apply_window, rope_shift_frequencies
-from infemeral.kvcache.paged import PagedBatch, PagedSequence, PagePool, PoolExhausted
-from infemeral.model.layers import LayerStack, head_dim
-from infemeral.model.paged_attention import select_backend
-from infemeral.storage.base import SessionLock, Store
+from infemeral.kvcache.stored import SessionKeys
+from infemeral.kvcache.window import WindowPolicy
+from infemeral.model.layers import LayerStack
+from infemeral.server.config import EngineConfig
+from infemeral.server.metrics import NullMetrics
+from infemeral.server.model_runner import ModelRunner
+from infemeral.server.scheduler import Scheduler, StepRequest
+from infemeral.server.turn import Turn
+from infemeral.storage.base import Store
 
 log = logging.getLogger(__name__)
 
 SESSION_ID_BYTES = 16
 SESSION_KEY_BYTES = 32
-LOCK_REFRESH_SECONDS = 10.0
 BUSY_GRACE_SECONDS = 2.0
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    try:
-        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-    except KeyError:
-        raise ValueError(f"dtype must be float32, bfloat16, float16 or auto, not {dtype!r}") from None
+WAIT_POLL_SECONDS = 0.02  # how often steps waiting for pages are retried
+SHUTTING_DOWN = "server is shutting down; retry on another replica or later"
 
 
 def short_id(session_id: bytes) -> str:
@@ -60,77 +49,93 @@ def short_id(session_id: bytes) -> str:
 
 
 @dataclass
-class Turn:
-    session_id: bytes
-    keys: SessionKeys
-    version: int
-    cache: PagedSequence
-    lock: SessionLock | None = None      # the store's cross-replica hold on the session
-    manifest: Manifest | None = None     # the committed state this turn started from
-    low_water: int = 0                   # shortest the cache got during the turn (truncations)
-    refreshed_at: float = field(default_factory=time.monotonic)
-    turn_id: bytes = b""
-    closed: bool = False
-    guard: threading.Lock = field(default_factory=threading.Lock)
-    idle: threading.Event = field(default_factory=threading.Event)  # no step in the scheduler
-
-    def __post_init__(self):
-        self.idle.set()
+class StepOutput:
+    hidden: torch.Tensor  # residuals of the step's last `num_outputs` positions [num_outputs, d], on the CPU
+    cache_length: int     # after the step
+    num_evicted: int      # tokens the window evicted before the step
 
 
 @dataclass
-class _Step:
-    turn: Turn
-    hidden: torch.Tensor
-    outputs: int
-    evict: int
-    future: Future
-    started: bool = False                # the future is running; the window has been applied
-    waiting_since: float | None = None   # when it first found the pool full
+class EngineStats:
+    forwards: int = 0
+    steps: int = 0
+    tokens: int = 0
+    largest_batch: int = 0
 
 
 class Engine:
-    def __init__(self, bundle: ServerBundle, store: Store, *, device: str = "auto", dtype: str = "auto",
-                 max_step_tokens: int = 2048, max_sessions: int = 64, window: WindowPolicy | None = None,
-                 kv_pool_tokens: int = 65536, max_batch_tokens: int = 8192, admission_wait: float = 10.0,
-                 attention_backend: str = "auto"):
+    def __init__(self, bundle: ServerBundle, store: Store, config: EngineConfig | None = None, *,
+                 metrics: NullMetrics | None = None):
         self.bundle = bundle
         self.store = store
+        self.config = config or EngineConfig()
+        self.metrics = metrics or NullMetrics()
         self.persistence = SessionPersistence(store, bundle.fingerprint)
-        self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
-        self.max_step_tokens = max_step_tokens
-        self.window = window or WindowPolicy(8192)
-        self.max_sessions = max_sessions
-        layers = [bundle.layer_weights(i) for i in range(bundle.first_layer, bundle.first_layer + bundle.num_layers)]
-        self.layers = LayerStack(bundle.config, bundle.first_layer, layers, dtype=self.dtype, device=self.device)
-        del layers
-        config = bundle.config
-        self.hidden_size = config.hidden_size
-        self.inv_freq = (rope_shift_frequencies(self.layers.rotary, config, self.window.max_context)
-                         if self.window.enabled else None)
-        self.pool = PagePool(max(1, kv_pool_tokens // self.window.page_size), self.window.page_size,
-                             bundle.first_layer, bundle.num_layers, config.num_key_value_heads, head_dim(config),
-                             self.dtype, self.device)
-        self.backend = select_backend(attention_backend, self.device, config.num_attention_heads,
-                                      config.num_key_value_heads, head_dim(config), self.window.page_size, self.dtype)
-        self.max_batch_tokens = max(max_batch_tokens, max_step_tokens)
-        self.admission_wait = admission_wait
-        self.stats = {"forwards": 0, "steps": 0, "tokens": 0, "largest_batch": 0}  # scheduler counters
-        self.metrics = None  # set by the server when Prometheus metrics are on
+        self.runner = ModelRunner(bundle, self.config)
+        self.scheduler = Scheduler(self.config.window, self.runner.inv_freq, self.config.batch_token_budget,
+                                   self.config.admission_wait)
+        self._stats = EngineStats()
         self._active: dict[bytes, Turn] = {}
         self._active_lock = threading.Condition()
-        self._queue: queue.Queue = queue.Queue()
+        self._queue: queue.Queue[StepRequest | None] = queue.Queue()
+        self._submit_lock = threading.Lock()  # orders submissions against the stop sentinel
+        self._is_accepting = True             # new turns are welcome
+        self._is_stopped = False              # no step will be run any more
         self._worker = threading.Thread(target=self._run, name="infemeral-engine", daemon=True)
-        self._stopping = False
         self._worker.start()
         log.info("engine ready: %d layers from %d on %s in %s, %d KV pages of %d tokens, %s attention",
-                 bundle.num_layers, bundle.first_layer, self.device, dtype_name(self.dtype), self.pool.num_pages,
-                 self.pool.page_size, self.backend.name)
+                 bundle.num_layers, bundle.first_layer, self.device, str(self.dtype).removeprefix("torch."),
+                 self.pool.num_pages, self.pool.page_size, self.runner.backend.name)
 
-    # -- turns ------------------------------------------------------------------------------
+    # -- what the service reads -----------------------------------------------------------------------
+    @property
+    def hidden_size(self) -> int:
+        return self.bundle.config.hidden_size
+
+    @property
+    def max_step_tokens(self) -> int:
+        return self.config.max_step_tokens
+
+    @property
+    def window(self) -> WindowPolicy:
+        return self.config.window
+
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.runner.dtype
+
+    @property
+    def pool(self) -> PagePool:
+        return self.runner.pool
+
+    @property
+    def layers(self) -> LayerStack:
+        return self.runner.layers
+
+    @layers.setter
+    def layers(self, layers: LayerStack) -> None:
+        """Instrumentation (the benchmarks' layer timer) may wrap the served layer stack."""
+        self.runner.layers = layers
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Scheduler counters: forward passes, steps and tokens run, the largest batch."""
+        return asdict(self._stats)
+
+    @property
+    def active_turns(self) -> int:
+        return len(self._active)
+
+    # -- turns -------------------------------------------------------------------------------------
     def open_turn(self, session_id: bytes, session_key: bytes, expected_version: int, fingerprint: str,
-                  turn_id: bytes = b"", pending_turn_id: bytes = b"") -> Turn:
+                  turn_id: bytes = b"", pending_turn_id: bytes = b"", reserve_tokens: int = 0) -> Turn:
+        """Take the session, grant the turn its page quota and load its committed cache.
+
+        `reserve_tokens` is what the client may add in this turn (0: undeclared, a whole window)."""
         if len(session_id) != SESSION_ID_BYTES:
             raise InvalidArgument(f"session_id must be {SESSION_ID_BYTES} bytes, got {len(session_id)}")
         if len(session_key) != SESSION_KEY_BYTES:
@@ -142,8 +147,8 @@ class Engine:
                 "client bundle was prepared against a different server bundle "
                 f"(client expects {fingerprint or 'none'}, server has {self.bundle.fingerprint}); "
                 "upload the matching server bundle or use the matching client bundle")
-        if self._stopping:
-            raise Unavailable("server is shutting down; retry on another replica or later")
+        if not self._is_accepting:
+            raise Unavailable(SHUTTING_DOWN)
         with self._active_lock:
             # A client that lost its stream may reconnect before the server has seen the old stream end:
             # give the old turn a moment to close before refusing.
@@ -152,87 +157,95 @@ class Engine:
             if session_id in self._active:
                 raise Aborted("this session is already in a turn on this server; wait for it to finish "
                               "(one turn at a time per session)")
-            if len(self._active) >= self.max_sessions:
-                raise ResourceExhausted(f"server is serving its limit of {self.max_sessions} turns; retry shortly")
-            turn = Turn(session_id, SessionKeys.derive(session_id, session_key), 0,
-                        PagedSequence(self.pool, self.admission_wait), turn_id=turn_id)
+            if len(self._active) >= self.config.max_sessions:
+                raise ResourceExhausted(f"server is serving its limit of {self.config.max_sessions} turns; "
+                                        "retry shortly")
+            turn = Turn(session_id, SessionKeys.derive(session_id, session_key), PagedSequence(self.pool),
+                        turn_id=turn_id)
             self._active[session_id] = turn
         try:
-            self._load(turn, expected_version, pending_turn_id)
+            self._load(turn, expected_version, pending_turn_id, reserve_tokens)
         except BaseException:
             self.close_turn(turn)
             raise
-        log.info("turn opened session=%s version=%d length=%d", short_id(session_id), turn.version, turn.cache.length)
+        log.info("turn opened session=%s version=%d length=%d quota=%d", short_id(session_id), turn.version,
+                 turn.cache.length, turn.cache.quota_tokens)
         return turn
 
-    def _load(self, turn: Turn, expected_version: int, pending_turn_id: bytes = b"") -> None:
+    def _load(self, turn: Turn, expected_version: int, pending_turn_id: bytes, reserve_tokens: int) -> None:
         turn.lock = self.persistence.lock(turn.session_id)
-        turn.manifest = self.persistence.load(turn.session_id, turn.keys, expected_version, turn.cache,
-                                              pending_turn_id)
-        turn.version = turn.manifest.version if turn.manifest else 0
-        turn.low_water = turn.cache.length
-        turn.cache.reserve(turn.cache.length + 1, wait=self.admission_wait)  # admission: room to start
+        manifest = self.persistence.read_committed(turn.session_id, turn.keys, expected_version, pending_turn_id)
+        length = manifest.length if manifest else 0
+        turn.cache.grant(self.scheduler.quota_tokens(length, reserve_tokens), wait=self.config.admission_wait)
+        self.persistence.fill(turn.session_id, turn.keys, manifest, turn.cache)
+        turn.manifest, turn.version = manifest, manifest.version if manifest else 0
 
-    def step(self, turn: Turn, hidden: torch.Tensor, cache_length: int, outputs: int = 1,
-             evict: int = 0) -> tuple[torch.Tensor, int]:
-        """Slide the window, run new positions through the served layers; return the last `outputs`
-        residuals and the number of tokens the window evicted."""
-        n = hidden.shape[0]
-        if cache_length != turn.cache.length:
-            raise Aborted(f"client thinks the cache holds {cache_length} tokens but it holds {turn.cache.length}; "
-                          "the client and server are out of step — reopen the turn")
-        outputs = outputs or 1
-        if not 1 <= outputs <= n:
-            raise InvalidArgument(f"outputs must be between 1 and the step's {n} tokens, got {outputs}")
-        expected = self.window.tokens_to_evict(turn.cache.length, n)
-        if evict != expected:
-            raise Aborted(f"client's window evicts {evict} tokens before this step but the server's evicts "
-                          f"{expected}; do client and server use the same window settings?")
-        if time.monotonic() - turn.refreshed_at > LOCK_REFRESH_SECONDS:
-            turn.lock.refresh()  # keep the cross-replica lease alive during long turns
-            turn.refreshed_at = time.monotonic()
-        future: Future = Future()
-        turn.idle.clear()
-        self._queue.put(_Step(turn, hidden, outputs, expected, future))
-        try:
-            return future.result(), expected
-        finally:
-            turn.idle.set()
+    def submit_step(self, turn: Turn, hidden: torch.Tensor, cache_length: int, num_outputs: int = 1,
+                    num_evicted: int = 0) -> Future:
+        """Queue new positions [n, d] for the served layers; the future resolves to a `StepOutput`.
 
-    def truncate(self, turn: Turn, tokens: int, cache_length: int) -> int:
-        if cache_length != turn.cache.length:
-            raise Aborted(f"client thinks the cache holds {cache_length} tokens but it holds {turn.cache.length}")
-        if tokens > turn.cache.length:
-            raise InvalidArgument(f"cannot drop {tokens} tokens from a cache of {turn.cache.length}")
-        turn.cache.truncate(tokens)
-        turn.low_water = min(turn.low_water, turn.cache.length)
+        Everything the client claims is checked here, before anything moves: its view of the cache
+        length, the outputs it asks for, and the eviction its window makes before this step."""
+        num_tokens = hidden.shape[0]
+        turn.require_open()
+        turn.check_cache_length(cache_length)
+        num_outputs = turn.check_outputs(num_tokens, num_outputs)
+        turn.check_evict(num_evicted, self.window.tokens_to_evict(turn.cache.length, num_tokens))
+        turn.refresh_lock()
+        step = StepRequest(turn, hidden, num_tokens, num_outputs, num_evicted)
+        turn.begin_step()
+        with self._submit_lock:
+            if self._is_stopped:
+                turn.end_step()
+                raise Unavailable(SHUTTING_DOWN)
+            self._queue.put(step)
+        return step.future
+
+    def step(self, turn: Turn, hidden: torch.Tensor, cache_length: int, num_outputs: int = 1,
+             num_evicted: int = 0) -> StepOutput:
+        """`submit_step` and wait for the answer."""
+        return self.submit_step(turn, hidden, cache_length, num_outputs, num_evicted).result()
+
+    def truncate(self, turn: Turn, num_tokens: int, cache_length: int) -> int:
+        """Drop the last `num_tokens` positions (rejected drafts, a re-tokenised tail); the new length."""
+        turn.require_open()
+        turn.check_cache_length(cache_length)
+        turn.check_truncate(num_tokens)
+        turn.cache.truncate(num_tokens)
         return turn.cache.length
 
     def commit(self, turn: Turn) -> int:
-        manifest = self.persistence.commit(turn.session_id, turn.keys, turn.cache, turn.manifest, turn.low_water,
-                                           turn.lock, turn.turn_id)
-        turn.manifest, turn.version, turn.low_water = manifest, manifest.version, turn.cache.length
+        """Store what changed and move the session to its next version."""
+        turn.require_open()
+        written = self.store.bytes_written
+        try:
+            manifest = self.persistence.commit(turn.session_id, turn.keys, turn.cache, turn.manifest, turn.lock,
+                                               turn.turn_id)
+        except BaseException:
+            turn.fail("its commit failed")
+            raise
         turn.cache.commit()
+        turn.mark_committed(manifest)
+        self.metrics.store_written(self.store.bytes_written - written)
         log.info("turn committed session=%s version=%d length=%d chunks=%d", short_id(turn.session_id),
                  manifest.version, manifest.length, len(manifest.chunks))
         return manifest.version
 
     def close_turn(self, turn: Turn) -> None:
-        """End a turn, committed or not: wipe plaintext and release the session."""
-        with turn.guard:
-            if turn.closed:
-                return
-            turn.closed = True
+        """End a turn, committed or not: wipe plaintext and release the session. Never fails half-way."""
+        if not turn.close():  # waits for a step the worker is running
+            return
         try:
-            turn.idle.wait(timeout=60)  # a step still in the scheduler must finish before its pages go
             turn.cache.wipe()
         finally:  # never leave the session locked in a turn, even if wiping failed
-            if turn.lock is not None:
-                turn.lock.release()
-            with self._active_lock:
-                if self._active.get(turn.session_id) is turn:
-                    del self._active[turn.session_id]
-                    self._active_lock.notify_all()
+            try:
+                if turn.lock is not None:
+                    turn.lock.release()
+            finally:
+                with self._active_lock:
+                    if self._active.get(turn.session_id) is turn:
+                        del self._active[turn.session_id]
+                        self._active_lock.notify_all()
 
     def delete_session(self, session_id: bytes, session_key: bytes) -> None:
         if len(session_id) != SESSION_ID_BYTES or len(session_key) != SESSION_KEY_BYTES:
@@ -247,93 +260,93 @@ class Engine:
             lock.release()
         log.info("session deleted session=%s", short_id(session_id))
 
-    @property
-    def active_turns(self) -> int:
-        return len(self._active)
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def begin_shutdown(self) -> None:
+        """Refuse new turns (UNAVAILABLE); open turns carry on."""
+        self._is_accepting = False
 
-    # -- the scheduler ----------------------------------------------------------------------------
+    def stop(self) -> None:
+        """Stop the worker; every step not yet answered, and every later one, gets UNAVAILABLE."""
+        self.begin_shutdown()
+        with self._submit_lock:
+            if not self._is_stopped:
+                self._is_stopped = True
+                self._queue.put(None)
+        self._worker.join(timeout=5)
+
+    # -- the worker: drain, schedule, run, deliver ---------------------------------------------------
     def _run(self) -> None:
-        pending: deque[_Step] = deque()
-        while True:
-            if not pending:
-                item = self._queue.get()
-                if item is None:
-                    return
-                pending.append(item)
-            while True:  # everything that arrived meanwhile joins this round
+        reason = SHUTTING_DOWN
+        try:
+            while self._drain():
+                schedule = self.scheduler.schedule()
+                for step in schedule.failed:
+                    self._fail(step, step.error)
+                if schedule.batch:
+                    self._run_batch(schedule.batch)
+                elif self.scheduler.num_waiting:
+                    time.sleep(WAIT_POLL_SECONDS)  # only steps waiting for pages: let other turns free some
+        except BaseException:
+            log.exception("the engine's worker failed")
+            reason = "the server's engine failed; retry on another replica or later"
+        finally:
+            with self._submit_lock:  # from here on nothing new is queued
+                self._is_stopped = True
+            left = list(self.scheduler.waiting)
+            self.scheduler.waiting.clear()
+            while True:
                 try:
                     item = self._queue.get_nowait()
                 except queue.Empty:
                     break
-                if item is None:
-                    for step in pending:
-                        if not step.future.done():
-                            step.future.set_exception(Unavailable("server is shutting down"))
-                    return
-                pending.append(item)
-            batch, waiting, tokens = [], [], 0
-            while pending and (not batch or tokens + pending[0].hidden.shape[0] <= self.max_batch_tokens):
-                step = pending.popleft()  # first come, first served: nothing starves
-                admitted = self._admit(step)
-                if admitted is None:
-                    waiting.append(step)
-                elif admitted:
-                    batch.append(step)
-                    tokens += step.hidden.shape[0]
-            pending.extendleft(reversed(waiting))  # steps waiting for pages keep their place in line
-            if batch:
-                self._forward(batch)
-            elif waiting:
-                time.sleep(0.02)  # only steps waiting for pages: let other turns free some
+                if item is not None:
+                    left.append(item)
+            for step in left:
+                self._fail(step, Unavailable(reason))
 
-    def _admit(self, step: _Step) -> bool | None:
-        """Slide the window and reserve pages for a step. None: wait for pages (bounded); False: failed."""
-        turn, n = step.turn, step.hidden.shape[0]
-        try:
-            if not step.started:
-                if not step.future.set_running_or_notify_cancel():
-                    return False
-                step.started = True
-                if turn.closed:
-                    raise Aborted("turn was closed")
-                if step.evict:
-                    apply_window(turn.cache, self.window, n, self.inv_freq)
-                    turn.low_water = min(turn.low_water, turn.cache.length)  # stored positions moved: compact
+    def _drain(self) -> bool:
+        """Hand the steps that arrived to the scheduler, blocking while there is nothing to do; False on stop."""
+        block = self.scheduler.num_waiting == 0
+        while True:
             try:
-                turn.cache.reserve(turn.cache.length + n)
-            except PoolExhausted:
-                now = time.monotonic()
-                step.waiting_since = step.waiting_since or now
-                if now - step.waiting_since < self.admission_wait:
-                    return None
-                raise
-            return True
-        except BaseException as e:
-            step.future.set_exception(e)
-            return False
+                step = self._queue.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if step is None:
+                return False
+            if step.future.set_running_or_notify_cancel():
+                self.scheduler.add(step)
+            else:  # cancelled before it started: nothing happened to the turn
+                step.turn.end_step()
 
-    def _forward(self, batch: list[_Step]) -> None:
+    def _run_batch(self, batch: list[StepRequest]) -> None:
         try:
-            paged = PagedBatch(self.pool, [s.turn.cache for s in batch], [s.hidden.shape[0] for s in batch],
-                               self.backend)
-            out = self.layers.forward_batch(torch.cat([s.hidden.to(self.dtype) for s in batch]), paged)
-        except BaseException as e:  # delivered to every waiting handler thread
-            for s in batch:
-                s.future.set_exception(e)
+            outputs = self.runner.run([s.turn.cache for s in batch], [s.hidden for s in batch],
+                                      [s.num_outputs for s in batch])
+        except Exception as e:  # noqa: BLE001 - out of memory, a driver error: fail this batch, serve on
+            log.error("a forward pass of %d steps failed: %s", len(batch), type(e).__name__)
+            error = Unavailable(f"the server failed to run this step ({type(e).__name__}; out of memory?); "
+                                "nothing was committed — retry the turn")
+            for step in batch:
+                self._fail(step, error)
             return
-        self.stats["forwards"] += 1
-        self.stats["steps"] += len(batch)
-        self.stats["tokens"] += int(paged.qo_indptr[-1])
-        self.stats["largest_batch"] = max(self.stats["largest_batch"], len(batch))
-        if self.metrics is not None:
-            self.metrics.steps.inc(len(batch))
-            self.metrics.tokens.inc(int(paged.qo_indptr[-1]))
-            self.metrics.batch_steps.observe(len(batch))
-        ends = paged.qo_indptr.tolist()[1:]
-        for s, end in zip(batch, ends):
-            s.future.set_result(out[end - s.outputs:end].to("cpu"))
+        num_tokens = sum(s.num_tokens for s in batch)
+        self._stats.forwards += 1
+        self._stats.steps += len(batch)
+        self._stats.tokens += num_tokens
+        self._stats.largest_batch = max(self._stats.largest_batch, len(batch))
+        self.metrics.batch_ran(len(batch), num_tokens)
+        for step, hidden in zip(batch, outputs):
+            answer = StepOutput(hidden, step.turn.cache.length, step.num_evicted)
+            step.turn.end_step()
+            step.future.set_result(answer)
 
-    def stop(self) -> None:
-        self._stopping = True
-        self._queue.put(None)
-        self._worker.join(timeout=5)
+    @staticmethod
+    def _fail(step: StepRequest, error: StatusError) -> None:
+        """A step that did not run: its turn no longer agrees with the client, so the turn fails too."""
+        step.turn.fail(error.message)
+        try:
+            step.future.set_exception(error)
+        except InvalidStateError:  # cancelled meanwhile
+            pass

@@ -1,12 +1,35 @@
-"""Prometheus metrics on a separate port: counts, sizes and timings only, never payloads or ids."""
+"""Engine and server metrics: counts, sizes and timings only, never payloads or ids.
+
+The engine and the service report through the methods of `NullMetrics`, which
+do nothing; `Metrics` records the same events in Prometheus on its own port.
+"""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 
-class Metrics:
-    """One registry per server, so several servers can live in one process (tests)."""
+class NullMetrics:
+    """Where metrics go when nobody collects them."""
+
+    def turn_ended(self, outcome: str) -> None:
+        """A turn ended: committed, abandoned, or the lower-case name of its error status."""
+
+    def batch_ran(self, num_steps: int, num_tokens: int) -> None:
+        """One forward pass ran `num_steps` steps of `num_tokens` positions in all."""
+
+    def step_answered(self, seconds: float) -> None:
+        """A step was answered this long after it arrived."""
+
+    def store_written(self, num_bytes: int) -> None:
+        """A commit wrote this many bytes to the session store."""
+
+    def store_failed(self) -> None:
+        """The session store failed (unreachable, full, ...)."""
+
+
+class Metrics(NullMetrics):
+    """Prometheus metrics; one registry per server, so several servers can live in one process (tests)."""
 
     def __init__(self):
         self.registry = r = CollectorRegistry()
@@ -24,6 +47,23 @@ class Metrics:
         self.batch_steps = Histogram("infemeral_batch_steps", "steps sharing one forward pass",
                                      buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
         self._http = None
+
+    def turn_ended(self, outcome: str) -> None:
+        self.turns.labels(outcome).inc()
+
+    def batch_ran(self, num_steps: int, num_tokens: int) -> None:
+        self.steps.inc(num_steps)
+        self.tokens.inc(num_tokens)
+        self.batch_steps.observe(num_steps)
+
+    def step_answered(self, seconds: float) -> None:
+        self.step_seconds.observe(seconds)
+
+    def store_written(self, num_bytes: int) -> None:
+        self.commit_bytes.inc(num_bytes)
+
+    def store_failed(self) -> None:
+        self.store_errors.inc()
 
     def serve(self, host: str, port: int) -> int:
         """Start the HTTP endpoint; returns the bound port."""

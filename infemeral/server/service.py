@@ -37,7 +37,7 @@ class InfemeralService(pb_grpc.InfemeralServicer):
                 raise InvalidArgument("a turn must start with an `open` message")
             o = first.open
             turn = self.engine.open_turn(o.session_id, o.session_key, o.expected_version, o.bundle_fingerprint,
-                                         o.turn_id, o.pending_turn_id)
+                                         o.turn_id, o.pending_turn_id, o.reserve_tokens)
             yield pb.TurnResponse(opened=pb.Opened(version=turn.version, cache_length=turn.cache.length,
                                                    pending_committed=turn.version == o.expected_version + 1))
             for req in request_iterator:
@@ -45,18 +45,16 @@ class InfemeralService(pb_grpc.InfemeralServicer):
                 if kind == "step":
                     started = time.perf_counter()
                     hidden = from_proto(req.step.hidden, self.engine.hidden_size, self.engine.max_step_tokens)
-                    out, evicted = self.engine.step(turn, hidden, req.step.cache_length, req.step.outputs,
-                                                    req.step.evict)
-                    self._observe("step_seconds", time.perf_counter() - started)
-                    yield pb.TurnResponse(step=pb.StepResult(hidden=to_proto(out.to(hidden.dtype)),
-                                                             cache_length=turn.cache.length, evicted=evicted))
+                    out = self.engine.step(turn, hidden, req.step.cache_length, req.step.outputs, req.step.evict)
+                    self.engine.metrics.step_answered(time.perf_counter() - started)
+                    yield pb.TurnResponse(step=pb.StepResult(hidden=to_proto(out.hidden.to(hidden.dtype)),
+                                                             cache_length=out.cache_length,
+                                                             evicted=out.num_evicted))
                 elif kind == "truncate":
                     length = self.engine.truncate(turn, req.truncate.tokens, req.truncate.cache_length)
                     yield pb.TurnResponse(truncated=pb.Truncated(cache_length=length))
                 elif kind == "commit":
-                    written = self.engine.store.bytes_written
                     version = self.engine.commit(turn)
-                    self._count("commit_bytes", self.engine.store.bytes_written - written)
                     outcome = "committed"
                     length = turn.cache.length
                     self.engine.close_turn(turn)  # release the session before the client hears "committed"
@@ -72,22 +70,13 @@ class InfemeralService(pb_grpc.InfemeralServicer):
             context.abort(e.code, e.message)
         except STORE_ERRORS as e:
             outcome = "store_error"
-            self._count("store_errors")
+            self.engine.metrics.store_failed()
             log.error("store error: %s", type(e).__name__)
             context.abort(grpc.StatusCode.UNAVAILABLE, "session store is unavailable; the session is unchanged, retry")
         finally:
             if turn is not None:
                 self.engine.close_turn(turn)
-            if self.engine.metrics is not None:
-                self.engine.metrics.turns.labels(outcome).inc()
-
-    def _count(self, name: str, amount: float = 1) -> None:
-        if self.engine.metrics is not None:
-            getattr(self.engine.metrics, name).inc(amount)
-
-    def _observe(self, name: str, value: float) -> None:
-        if self.engine.metrics is not None:
-            getattr(self.engine.metrics, name).observe(value)
+            self.engine.metrics.turn_ended(outcome)
 
     def GetServerInfo(self, request, context):
         e = self.engine

@@ -4,7 +4,7 @@ A session is stored as immutable *chunks* (encrypted KV segments, written once)
 and one small *manifest* that names the chunks making up the committed state.
 Committing is: write the new chunk durably, then replace the manifest
 atomically (guarded by the session lock's fencing token), then drop chunks the
-manifest no longer names. A crash at any point leaves the old or the new
+manifest no longer names (guarded the same way). A crash at any point leaves the old or the new
 manifest, each naming chunks that exist. Backends never see keys or plaintext.
 """
 
@@ -72,8 +72,9 @@ class Store(abc.ABC):
         ...
 
     @abc.abstractmethod
-    def delete_chunks(self, session_id: bytes, names: list[str]) -> None:
-        ...
+    def delete_chunks(self, session_id: bytes, names: list[str], lock: SessionLock) -> None:
+        """Delete chunks, only while `lock` still holds the session (raise SessionBusy otherwise): a holder
+        whose lease ran out must not delete what the session's next holder just wrote."""
 
     @abc.abstractmethod
     def delete_session(self, session_id: bytes) -> bool:

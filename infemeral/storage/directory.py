@@ -4,8 +4,12 @@ Every file is written to a temp file in the same folder, fsynced, renamed into
 place, and the folder fsynced, so readers and crashes see old or new bytes,
 never a torn file. The turn lock is an flock on the session's lock file: the
 kernel drops it when the holding process dies, so a crashed server never leaves
-a session locked. (flock is per host; replicas on several hosts share sessions
-through the Redis store.)
+a session locked. A holder may remove the session folder, lock file included,
+while it holds the lock (an uncommitted or deleted session leaves no trace), so
+whoever takes the lock checks afterwards that the file it locked is still the
+one at the path, and starts over if not: otherwise two turns could each hold a
+lock on a different file. (flock is per host; replicas on several hosts share
+sessions through the Redis store.)
 """
 
 from __future__ import annotations
@@ -30,6 +34,16 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _is_at(fd: int, path: Path) -> bool:
+    """Whether the open file `fd` is (still) the file at `path`."""
+    try:
+        here = os.stat(path)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (mine.st_dev, mine.st_ino) == (here.st_dev, here.st_ino)
 
 
 class _FileLock(SessionLock):
@@ -79,15 +93,24 @@ class DirectoryStore(Store):
 
     def lock(self, session_id: bytes, lease_seconds: float = 60.0) -> SessionLock:
         folder = self.folder(session_id)
-        folder.mkdir(mode=0o700, exist_ok=True)
-        fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        path = folder / LOCK
+        while True:
+            folder.mkdir(mode=0o700, exist_ok=True)
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            except FileNotFoundError:  # the folder was removed between mkdir and open
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise SessionBusy("this session is in a turn on another connection or server; "
+                                  "wait for it to finish (one turn at a time per session)") from None
+            if _is_at(fd, path):
+                return _FileLock(fd, folder)
+            # The previous holder removed the file after we opened it: our lock guards nothing. Again.
+            fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
-            raise SessionBusy("this session is in a turn on another connection or server; "
-                              "wait for it to finish (one turn at a time per session)") from None
-        return _FileLock(fd, folder)
 
     def read_manifest(self, session_id: bytes) -> bytes | None:
         path = self.folder(session_id) / MANIFEST
@@ -120,7 +143,8 @@ class DirectoryStore(Store):
             return []
         return sorted(p.name for p in folder.iterdir() if p.name.startswith("chunk-"))
 
-    def delete_chunks(self, session_id: bytes, names: list[str]) -> None:
+    def delete_chunks(self, session_id: bytes, names: list[str], lock: SessionLock) -> None:
+        lock.refresh()
         for name in names:
             (self.folder(session_id) / name).unlink(missing_ok=True)
 

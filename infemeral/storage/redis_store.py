@@ -3,9 +3,9 @@
 Keys per session: `<prefix>:<sid>:manifest`, `<prefix>:<sid>:chunk:<name>`, the
 set `<prefix>:<sid>:chunks`, and the turn lock `<prefix>:<sid>:lock`. The lock
 is SET NX with a lease (so a crashed replica's lock expires) holding a fencing
-token from INCR; the manifest is replaced by a Lua script only while the lock
-still holds that token, so a replica whose lease ran out cannot overwrite a
-newer turn. Every key carries the session TTL, refreshed on each commit.
+token from INCR; the manifest is replaced, and chunks are deleted, by Lua
+scripts only while the lock still holds that token, so a replica whose lease
+ran out can neither overwrite a newer turn nor delete the chunks it wrote. Every key carries the session TTL, refreshed on each commit.
 """
 
 from __future__ import annotations
@@ -22,6 +22,12 @@ return 1
 _REFRESH = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return 1
+"""
+_DELETE_CHUNKS = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+for i = 3, #KEYS do redis.call('DEL', KEYS[i]) end
+redis.call('SREM', KEYS[2], unpack(ARGV, 2))
 return 1
 """
 _RELEASE = """
@@ -56,6 +62,7 @@ class RedisStore(Store):
         self._commit = self.r.register_script(_COMMIT)
         self._refresh = self.r.register_script(_REFRESH)
         self._release = self.r.register_script(_RELEASE)
+        self._delete_chunks = self.r.register_script(_DELETE_CHUNKS)
 
     @property
     def ttl_ms(self) -> int:
@@ -102,13 +109,14 @@ class RedisStore(Store):
     def list_chunks(self, session_id: bytes) -> list[str]:
         return sorted(m.decode() for m in self.r.smembers(self.key(session_id, "chunks")))
 
-    def delete_chunks(self, session_id: bytes, names: list[str]) -> None:
+    def delete_chunks(self, session_id: bytes, names: list[str], lock: SessionLock) -> None:
         if not names:
             return
-        pipe = self.r.pipeline(transaction=True)
-        pipe.delete(*[self.key(session_id, "chunk", n) for n in names])
-        pipe.srem(self.key(session_id, "chunks"), *names)
-        pipe.execute()
+        keys = [self.key(session_id, "lock"), self.key(session_id, "chunks")]
+        keys += [self.key(session_id, "chunk", n) for n in names]
+        if not self._delete_chunks(keys=keys, args=[lock.token, *names]):
+            raise SessionBusy("this turn's lease on the session expired; its stale chunks are left for the "
+                              "session's next commit to remove")
 
     def delete_session(self, session_id: bytes) -> bool:
         names = self.list_chunks(session_id)

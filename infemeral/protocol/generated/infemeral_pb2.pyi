@@ -17,20 +17,22 @@ class Tensor(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class OpenTurn(_message.Message):
-    __slots__ = ("session_id", "session_key", "expected_version", "bundle_fingerprint", "turn_id", "pending_turn_id")
+    __slots__ = ("session_id", "session_key", "expected_version", "bundle_fingerprint", "turn_id", "pending_turn_id", "reserve_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_KEY_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_VERSION_FIELD_NUMBER: _ClassVar[int]
     BUNDLE_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     TURN_ID_FIELD_NUMBER: _ClassVar[int]
     PENDING_TURN_ID_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: bytes
     session_key: bytes
     expected_version: int
     bundle_fingerprint: str
     turn_id: bytes
     pending_turn_id: bytes
-    def __init__(self, session_id: _Optional[bytes] = ..., session_key: _Optional[bytes] = ..., expected_version: _Optional[int] = ..., bundle_fingerprint: _Optional[str] = ..., turn_id: _Optional[bytes] = ..., pending_turn_id: _Optional[bytes] = ...) -> None: ...
+    reserve_tokens: int
+    def __init__(self, session_id: _Optional[bytes] = ..., session_key: _Optional[bytes] = ..., expected_version: _Optional[int] = ..., bundle_fingerprint: _Optional[str] = ..., turn_id: _Optional[bytes] = ..., pending_turn_id: _Optional[bytes] = ..., reserve_tokens: _Optional[int] = ...) -> None: ...
 
 class Step(_message.Message):
     __slots__ = ("hidden", "cache_length", "outputs", "evict")

@@ -1,0 +1,58 @@
+"""The served layers over the shared page pool: runs a batch of steps, decides nothing.
+
+Given the caches of several sessions and each one's new hidden states, it
+builds the paged batch (CSR block tables, write slots, positions), runs every
+served layer once over all new positions together, and returns each step's
+last outputs. Which steps run, and with what pages, the scheduler decided.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from infemeral.cloak.bundle import ServerBundle
+from infemeral.kvcache.paged import PagedBatch, PagedSequence, PagePool
+from infemeral.kvcache.window import rope_shift_frequencies
+from infemeral.model.layers import LayerStack, head_dim
+from infemeral.model.paged_attention import select_backend
+from infemeral.server.config import EngineConfig
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    except KeyError:
+        raise ValueError(f"dtype must be float32, bfloat16, float16 or auto, not {dtype!r}") from None
+
+
+class ModelRunner:
+    def __init__(self, bundle: ServerBundle, config: EngineConfig):
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        weights = [bundle.layer_weights(i) for i in range(bundle.first_layer, bundle.first_layer + bundle.num_layers)]
+        self.layers = LayerStack(bundle.config, bundle.first_layer, weights, dtype=self.dtype, device=self.device)
+        del weights
+        model = bundle.config
+        window = config.window
+        self.inv_freq = (rope_shift_frequencies(self.layers.rotary, model, window.max_context)
+                         if window.enabled else None)  # pure RoPE angles, for re-keying after evictions
+        self.pool = PagePool(config.num_pages, window.page_size, bundle.first_layer, bundle.num_layers,
+                             model.num_key_value_heads, head_dim(model), self.dtype, self.device)
+        self.backend = select_backend(config.attention_backend, self.device, model.num_attention_heads,
+                                      model.num_key_value_heads, head_dim(model), window.page_size, self.dtype)
+
+    def run(self, caches: list[PagedSequence], hidden: list[torch.Tensor],
+            num_outputs: list[int]) -> list[torch.Tensor]:
+        """Append each step's positions to its cache; return its last `num_outputs` residuals, on the CPU."""
+        batch = PagedBatch(self.pool, caches, [h.shape[0] for h in hidden], self.backend)
+        out = self.layers.forward_batch(torch.cat([h.to(self.dtype) for h in hidden]), batch)  # [sum n_i, d]
+        ends = batch.qo_indptr.tolist()[1:]
+        return [out[end - k:end].to("cpu") for end, k in zip(ends, num_outputs)]

@@ -1,0 +1,131 @@
+"""Which waiting steps run in the next forward pass, and what each turn may hold in the page pool.
+
+The scheduler decides; it never runs the model. Steps wait in arrival order
+and are taken first come, first served until the batch's token budget is
+spent (a step that waits for pages keeps its place in line, so nothing
+starves). Before a step joins a batch its turn's window slides — an explicit
+step: the oldest pages after the sinks are evicted and the survivors
+re-keyed — and pages are reserved for its new positions. A turn was granted a
+page quota when it opened, so within it admission always succeeds; past it a
+step waits (bounded) for spare pages, then fails.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from infemeral.errors import Aborted, StatusError
+from infemeral.kvcache.paged import PoolExhausted
+from infemeral.kvcache.window import WindowPolicy, apply_window
+from infemeral.server.turn import Turn
+
+
+class Admission(enum.Enum):
+    ADMIT = "admit"  # pages are reserved: the step joins this batch
+    WAIT = "wait"    # no pages yet: try again next round
+    FAIL = "fail"    # refused: the step's error says why
+
+
+@dataclass(eq=False)
+class StepRequest:
+    """One step of one turn, from its arrival to its answer."""
+
+    turn: Turn
+    hidden: Any                 # [num_tokens, hidden_size]; only the model runner looks inside
+    num_tokens: int
+    num_outputs: int
+    num_evicted: int            # validated against the window when the step arrived
+    future: Future = field(default_factory=Future)
+    is_started: bool = False    # its window has slid; it cannot be undone
+    waiting_since: float | None = None
+    error: StatusError | None = None
+
+
+@dataclass
+class Schedule:
+    batch: list[StepRequest]   # run these together now
+    failed: list[StepRequest]  # answer these with their error
+
+
+class Scheduler:
+    def __init__(self, window: WindowPolicy, inv_freq, max_batch_tokens: int, admission_wait: float,
+                 clock: Callable[[], float] = time.monotonic):
+        self.window = window
+        self.inv_freq = inv_freq  # pure RoPE angles for re-keying after an eviction (None without a window)
+        self.max_batch_tokens = max_batch_tokens
+        self.admission_wait = admission_wait
+        self.clock = clock
+        self.waiting: deque[StepRequest] = deque()
+
+    # -- turns -------------------------------------------------------------------------------------
+    def quota_tokens(self, length: int, reserve_tokens: int) -> int:
+        """Most positions a turn that opens at `length` may hold: what its client declared it may add (at
+        least one token), or, declaring nothing, a whole window. Never more than a window."""
+        if reserve_tokens <= 0:
+            return self.window.max_context
+        return min(self.window.max_context, length + max(1, reserve_tokens))
+
+    # -- steps -------------------------------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def add(self, step: StepRequest) -> None:
+        self.waiting.append(step)
+
+    def schedule(self) -> Schedule:
+        """First come, first served under the token budget (a batch always takes at least one step)."""
+        batch, failed, still_waiting, tokens = [], [], [], 0
+        while self.waiting and (not batch or tokens + self.waiting[0].num_tokens <= self.max_batch_tokens):
+            step = self.waiting.popleft()
+            admission = self.admit(step)
+            if admission is Admission.ADMIT:
+                batch.append(step)
+                tokens += step.num_tokens
+            elif admission is Admission.WAIT:
+                still_waiting.append(step)
+            else:
+                failed.append(step)
+        self.waiting.extendleft(reversed(still_waiting))  # steps waiting for pages keep their place in line
+        return Schedule(batch, failed)
+
+    def admit(self, step: StepRequest) -> Admission:
+        cache = step.turn.cache
+        if step.turn.is_close_requested:  # the stream ended: nobody waits for this step's answer
+            step.error = Aborted("the turn was closed before this step ran")
+            return Admission.FAIL
+        if not step.is_started:
+            step.is_started = True
+            try:
+                self.slide_window(step)
+            except StatusError as e:
+                step.error = e
+                return Admission.FAIL
+        try:
+            cache.reserve(cache.length + step.num_tokens)
+        except PoolExhausted as e:
+            now = self.clock()
+            step.waiting_since = step.waiting_since if step.waiting_since is not None else now
+            if now - step.waiting_since < self.admission_wait:
+                return Admission.WAIT
+            step.error = PoolExhausted(
+                f"this turn grew past the {cache.quota_tokens} tokens it reserved when it opened, and the "
+                "server's KV pool has no spare pages; retry the turn in a few seconds (declaring a larger "
+                f"reserve_tokens), or wait for other turns to end ({e.message})")
+            return Admission.FAIL
+        return Admission.ADMIT
+
+    def slide_window(self, step: StepRequest) -> int:
+        """Evict what the window drops before this step (agreed with the client when the step arrived)."""
+        if not step.num_evicted:
+            return 0
+        evicted = apply_window(step.turn.cache, self.window, step.num_tokens, self.inv_freq)
+        if evicted != step.num_evicted:  # the cache changed since the step was checked: a bug, not bad input
+            raise Aborted(f"the window evicted {evicted} tokens, not the {step.num_evicted} agreed with the client")
+        return evicted

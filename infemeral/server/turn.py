@@ -1,0 +1,124 @@
+"""One turn on the server, like nano-vllm's `Sequence`: its state, a status, and the checks on it.
+
+A turn is opened by a client's `open` message and ends when its stream ends.
+In between it holds the session's cross-replica lock and its plaintext KV in
+the page pool, and moves through these states:
+
+    OPEN ──step──▶ STEPPING ──answered──▶ OPEN ──commit──▶ COMMITTED ──▶ CLOSED
+                      └──────failed──────▶ FAILED ───────────────────────▶ CLOSED
+
+A turn that failed half-way (its cache and the client's no longer agree) only
+accepts being closed. Closing waits for a step that is being computed, wipes
+the pages and releases the session.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from dataclasses import dataclass, field
+
+from infemeral.errors import Aborted, FailedPrecondition, InvalidArgument
+from infemeral.kvcache.paged import PagedSequence
+from infemeral.kvcache.stored import Manifest, SessionKeys
+from infemeral.storage.base import SessionLock
+
+LOCK_REFRESH_SECONDS = 10.0
+
+
+class TurnStatus(enum.Enum):
+    OPEN = "open"            # waiting for the client's next message
+    STEPPING = "stepping"    # one step is with the scheduler
+    COMMITTED = "committed"  # the commit landed; only closing is left
+    FAILED = "failed"        # a step or the commit failed; only closing is left
+    CLOSED = "closed"        # plaintext wiped, session released
+
+
+@dataclass(eq=False)
+class Turn:
+    session_id: bytes
+    keys: SessionKeys
+    cache: PagedSequence
+    turn_id: bytes = b""
+    version: int = 0                 # the committed version this turn started from (or committed)
+    manifest: Manifest | None = None  # the committed state the cache was loaded from (or committed to)
+    lock: SessionLock | None = None   # the store's cross-replica hold on the session
+    status: TurnStatus = TurnStatus.OPEN
+    failure: str = ""                 # why the turn failed, for the next message's refusal
+    is_close_requested: bool = False  # closing: a step not yet started must not start
+    refreshed_at: float = field(default_factory=time.monotonic)
+    _changed: threading.Condition = field(default_factory=threading.Condition, repr=False)
+
+    # -- checks on what the client sends ------------------------------------------------------------
+    def require_open(self) -> None:
+        if self.status is TurnStatus.FAILED:
+            raise Aborted(f"this turn failed ({self.failure}); nothing was committed — reopen the session and retry")
+        if self.status is TurnStatus.COMMITTED:
+            raise FailedPrecondition("this turn has committed; open a new turn")
+        if self.status is not TurnStatus.OPEN:
+            raise Aborted(f"this turn is {self.status.value}; one message at a time")
+
+    def check_cache_length(self, cache_length: int) -> None:
+        if cache_length != self.cache.length:
+            raise Aborted(f"client thinks the cache holds {cache_length} tokens but it holds {self.cache.length}; "
+                          "the client and server are out of step — reopen the turn")
+
+    def check_outputs(self, num_tokens: int, num_outputs: int) -> int:
+        """The number of outputs to return (0 means 1)."""
+        num_outputs = num_outputs or 1
+        if not 1 <= num_outputs <= num_tokens:
+            raise InvalidArgument(f"outputs must be between 1 and the step's {num_tokens} tokens, got {num_outputs}")
+        return num_outputs
+
+    def check_evict(self, num_evicted: int, expected: int) -> None:
+        if num_evicted != expected:
+            raise Aborted(f"client's window evicts {num_evicted} tokens before this step but the server's evicts "
+                          f"{expected}; do client and server use the same window settings?")
+
+    def check_truncate(self, num_tokens: int) -> None:
+        if num_tokens > self.cache.length:
+            raise InvalidArgument(f"cannot drop {num_tokens} tokens from a cache of {self.cache.length}")
+
+    def refresh_lock(self) -> None:
+        """Keep the cross-replica lease alive during long turns."""
+        if self.lock is not None and time.monotonic() - self.refreshed_at > LOCK_REFRESH_SECONDS:
+            self.lock.refresh()
+            self.refreshed_at = time.monotonic()
+
+    # -- transitions ---------------------------------------------------------------------------------
+    @property
+    def is_closed(self) -> bool:
+        return self.status is TurnStatus.CLOSED
+
+    def begin_step(self) -> None:
+        with self._changed:
+            self.require_open()
+            self.status = TurnStatus.STEPPING
+
+    def end_step(self) -> None:
+        """The step was answered (or never started): the turn takes the next message."""
+        with self._changed:
+            if self.status is TurnStatus.STEPPING:
+                self.status = TurnStatus.OPEN
+            self._changed.notify_all()
+
+    def fail(self, reason: str) -> None:
+        with self._changed:
+            if self.status is not TurnStatus.CLOSED:
+                self.status, self.failure = TurnStatus.FAILED, reason
+            self._changed.notify_all()
+
+    def mark_committed(self, manifest: Manifest) -> None:
+        with self._changed:
+            self.manifest, self.version, self.status = manifest, manifest.version, TurnStatus.COMMITTED
+
+    def close(self, timeout: float = 60.0) -> bool:
+        """Mark the turn closed once no step is being computed for it; False if it already was."""
+        with self._changed:
+            if self.status is TurnStatus.CLOSED:
+                return False
+            self.is_close_requested = True
+            self._changed.wait_for(lambda: self.status is not TurnStatus.STEPPING, timeout=timeout)
+            self.status = TurnStatus.CLOSED
+            return True

@@ -1,0 +1,383 @@
+"""The engine keeps session state true: what it stores, what it holds in the pool, and how it fails.
+
+A tiny random Llama is served by an in-process `Engine` over a real store (no
+gRPC), so these run in seconds. What they check:
+
+- after every commit the cache reloaded from the store equals the live cache
+  bit for bit, over random step sizes, truncations and window slides, on both
+  store backends (a property test, seeded);
+- truncations and evictions give pages back; turns hold page quotas, so two
+  turns decoding side by side never starve each other half-way;
+- a step whose eviction disagrees with the server's window is refused;
+- a failed forward pass fails exactly the turns in its batch, with a clear
+  status, and everyone else carries on; a step after the engine stopped is
+  answered at once; a failed load leaves no thread holding decrypted state.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from infemeral.cloak.bundle import ServerBundle
+from infemeral.cloak.prepare import prepare
+from infemeral.cloak.sources import ModelSource
+from infemeral.errors import Aborted, ResourceExhausted, Unavailable
+from infemeral.kvcache import stored
+from infemeral.kvcache.cache import KVCache
+from infemeral.kvcache.paged import PagedSequence
+from infemeral.kvcache.window import WindowPolicy
+from infemeral.server.config import EngineConfig
+from infemeral.server.engine import Engine
+from infemeral.server.turn import TurnStatus
+from infemeral.storage.base import open_store
+
+HIDDEN = 64
+WINDOW = WindowPolicy(max_context=48, sink_tokens=4, page_size=8)
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory) -> ServerBundle:
+    config = LlamaConfig(hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=128, max_position_embeddings=4096,
+                         initializer_range=0.1, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    out = prepare(output=tmp_path_factory.mktemp("tiny-engine"), source=ModelSource(model), progress=False)
+    return ServerBundle.open(out.server_dir)
+
+
+@pytest.fixture(params=["directory", "redis"])
+def store(request, tmp_path):
+    s = open_store(tmp_path / "store" if request.param == "directory" else request.getfixturevalue("redis_url"))
+    yield s
+    s.close()
+
+
+def make_engine(bundle, store, **overrides) -> Engine:
+    config = dict(device="cpu", dtype="float32", window=WINDOW, kv_pool_tokens=1024, admission_wait=2.0)
+    return Engine(bundle, store, EngineConfig(**{**config, **overrides}))
+
+
+@pytest.fixture
+def engine(bundle, tmp_path):
+    e = make_engine(bundle, open_store(tmp_path / "store"))
+    yield e
+    e.stop()
+
+
+class Client:
+    """One session as a client drives it: its id, key, version and view of the cache length."""
+
+    def __init__(self, engine: Engine, seed: int = 0):
+        self.engine, self.gen = engine, torch.Generator().manual_seed(seed)
+        self.id, self.key = os.urandom(16), os.urandom(32)
+        self.version, self.length = 0, 0
+
+    def open(self, reserve_tokens: int = 0):
+        turn = self.engine.open_turn(self.id, self.key, self.version, self.engine.bundle.fingerprint,
+                                     os.urandom(16), reserve_tokens=reserve_tokens)
+        assert turn.cache.length == self.length
+        return turn
+
+    def step(self, turn, n: int, num_outputs: int = 1):
+        evict = self.engine.window.tokens_to_evict(self.length, n)
+        out = self.engine.step(turn, torch.randn(n, HIDDEN, generator=self.gen), self.length, num_outputs, evict)
+        self.length += n - evict
+        assert (out.cache_length, out.num_evicted, out.hidden.shape) == (self.length, evict, (num_outputs, HIDDEN))
+        return out
+
+    def truncate(self, turn, n: int) -> None:
+        self.length = self.engine.truncate(turn, n, self.length)
+
+    def commit(self, turn) -> None:
+        self.version = self.engine.commit(turn)
+
+    def turn(self, *sizes: int, reserve_tokens: int = 0) -> None:
+        turn = self.open(reserve_tokens)
+        try:
+            for n in sizes:
+                self.step(turn, n)
+            self.commit(turn)
+        finally:
+            self.engine.close_turn(turn)
+
+    def stored_cache(self) -> KVCache:
+        """The committed cache, decrypted straight from the store."""
+        pool = self.engine.pool
+        cache = KVCache(pool.first_layer, pool.num_layers, pool.kv_heads, pool.head_dim, pool.dtype)
+        self.engine.persistence.load(self.id, stored.SessionKeys.derive(self.id, self.key), self.version, cache)
+        return cache
+
+
+def snapshot(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [tuple(t.clone() for t in cache.layer_tensors(slot)) for slot in range(cache.num_layers)]
+
+
+def assert_same(a: list, b: list, what: str) -> None:
+    assert len(a) == len(b)
+    for slot, ((k, v), (k0, v0)) in enumerate(zip(a, b)):
+        assert k.shape == k0.shape, f"{what}: layer slot {slot} holds {k.shape[1]} tokens, not {k0.shape[1]}"
+        assert torch.equal(k, k0) and torch.equal(v, v0), (
+            f"{what}: layer slot {slot} differs by up to {max((k - k0).abs().max(), (v - v0).abs().max()):.3g}")
+
+
+# -- the stored cache stays true -----------------------------------------------------------------------
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_reloaded_cache_equals_the_live_cache_after_every_commit(bundle, store, seed):
+    """Random turns (prompt chunks, decode steps, truncations, window slides inside turns and across turn
+    boundaries): after every commit the store decrypts to exactly the live cache, and the next turn opens
+    on exactly it."""
+    engine = make_engine(bundle, store)
+    rng = random.Random(seed)
+    c = Client(engine, seed)
+    counts = {"evictions": 0, "truncations": 0}
+    live = None
+    try:
+        for _ in range(10):
+            turn = c.open(reserve_tokens=rng.choice([0, 40, 200]))
+            if live is not None:
+                assert_same(snapshot(turn.cache), live, "the reopened cache")
+            try:
+                for _ in range(rng.randint(1, 6)):
+                    if c.length and rng.random() < 0.25:
+                        c.truncate(turn, rng.randint(1, min(c.length, 12)))
+                        counts["truncations"] += 1
+                    else:
+                        n = rng.choice([1, 1, 1, 2, 3, 7, 13, 21])
+                        counts["evictions"] += bool(c.step(turn, n, rng.randint(1, n)).num_evicted)
+                c.commit(turn)
+                live = snapshot(turn.cache)
+                assert_same(snapshot(c.stored_cache()), live, f"the stored cache at version {c.version}")
+            finally:
+                engine.close_turn(turn)
+        assert counts["evictions"] >= 2 and counts["truncations"] >= 1, counts  # the run exercised both
+        assert engine.pool.free_pages == engine.pool.num_pages and engine.pool.promised_pages == 0
+    finally:
+        engine.stop()
+
+
+def test_window_slide_after_a_short_stored_history(engine):
+    """The case the issue reproduced: a few stored tokens, then enough one-token steps in one turn that the
+    window slides while the cache stays at least as long as what was stored."""
+    c = Client(engine)
+    c.turn(10)
+    turn = c.open(reserve_tokens=60)
+    evicted = sum(c.step(turn, 1).num_evicted for _ in range(60))
+    assert evicted and c.length >= 10
+    c.commit(turn)
+    live = snapshot(turn.cache)
+    engine.close_turn(turn)
+    assert_same(snapshot(c.stored_cache()), live, "the stored cache after a slide")
+
+
+# -- pages --------------------------------------------------------------------------------------------
+def test_truncation_and_eviction_give_pages_back(engine):
+    pool = engine.pool
+    c = Client(engine)
+    turn = c.open(reserve_tokens=100)
+    c.step(turn, 40)  # 5 pages of 8
+    assert len(turn.cache.pages) == 5 and pool.free_pages == pool.num_pages - 5
+    c.truncate(turn, 17)  # 23 tokens: 3 pages
+    assert len(turn.cache.pages) == 3 and pool.free_pages == pool.num_pages - 3
+    c.step(turn, 25)  # 48 tokens: the window is full
+    assert len(turn.cache.pages) == 6
+    out = c.step(turn, 1)  # evicts one page, needs no new one
+    assert out.num_evicted == 8 and c.length == 41
+    assert len(turn.cache.pages) == 6 and pool.free_pages == pool.num_pages - 6
+    c.truncate(turn, 30)
+    assert len(turn.cache.pages) == 2 and pool.free_pages == pool.num_pages - 2
+    engine.close_turn(turn)
+    assert pool.free_pages == pool.num_pages and pool.promised_pages == 0
+
+
+def test_paged_sequence_frees_pages_on_truncate_and_evict(engine):
+    seq = PagedSequence(engine.pool)
+    seq.reserve(30)  # 4 pages
+    seq.length = seq.committed_length = 30
+    seq.truncate(9)  # 21: 3 pages
+    assert len(seq.pages) == 3 and engine.pool.free_pages == engine.pool.num_pages - 3
+    seq.evict(4, 8, lambda k: k)  # 13: 2 pages
+    assert len(seq.pages) == 2 and engine.pool.free_pages == engine.pool.num_pages - 2
+    seq.wipe()
+    assert engine.pool.free_pages == engine.pool.num_pages
+
+
+def test_admitted_turns_finish_when_two_decode_side_by_side(bundle, tmp_path):
+    """A pool too small for two answers at once: the second turn waits for its quota at open (instead of
+    both starting and one failing half-way), then runs; both answers complete."""
+    engine = make_engine(bundle, open_store(tmp_path / "store"), kv_pool_tokens=64, window=WindowPolicy(64, 4, 8),
+                         admission_wait=10.0)
+    results, errors, opened = {}, [], {}
+    go = threading.Barrier(2)
+
+    def answer(name: str) -> None:
+        c = Client(engine, seed=len(name))
+        try:
+            go.wait()
+            turn = c.open(reserve_tokens=40)  # 5 of the pool's 8 pages
+            opened[name] = time.monotonic()
+            try:
+                c.step(turn, 8)
+                for _ in range(32):
+                    c.step(turn, 1)
+                    time.sleep(0.002)  # let the other turn interleave
+                c.commit(turn)
+            finally:
+                engine.close_turn(turn)
+            results[name] = c.length
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(f"{name}: {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=answer, args=(name,)) for name in ("a", "bb")]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+        assert results == {"a": 40, "bb": 40}
+        assert engine.pool.free_pages == engine.pool.num_pages and engine.pool.promised_pages == 0
+    finally:
+        engine.stop()
+
+
+def test_quota_guarantees_and_limits(bundle, tmp_path):
+    """Undeclared turns reserve a whole window; a new turn that does not fit waits, then gets
+    RESOURCE_EXHAUSTED with a retry hint; a turn may grow past its quota only into spare pages."""
+    engine = make_engine(bundle, open_store(tmp_path / "store"), kv_pool_tokens=64, window=WindowPolicy(48, 4, 8),
+                         admission_wait=0.3)
+    try:
+        a, b = Client(engine, 1), Client(engine, 2)
+        whole = a.open()  # nothing declared: 48 tokens = 6 of 8 pages
+        assert whole.cache.quota_tokens == 48 and engine.pool.spare_pages == 2
+        started = time.monotonic()
+        with pytest.raises(ResourceExhausted, match="retry") as info:
+            b.open()
+        assert time.monotonic() - started >= 0.25 and info.value.retry_after > 0
+        assert engine.active_turns == 1 and engine.pool.spare_pages == 2  # the refused turn took nothing
+        small = b.open(reserve_tokens=10)  # 2 pages fit
+        assert engine.pool.spare_pages == 0
+        b.step(small, 10)
+        with pytest.raises(ResourceExhausted, match="grew past the 16 tokens it reserved"):
+            b.step(small, 7)  # past its quota, and nobody has spare pages
+        assert small.status is TurnStatus.FAILED
+        engine.close_turn(small)
+        a.step(whole, 40)  # the admitted turn is undisturbed
+        a.step(whole, 8)
+        a.commit(whole)
+        engine.close_turn(whole)
+        c = Client(engine, 3)
+        turn = c.open(reserve_tokens=8)
+        c.step(turn, 30)  # past its quota, into spare pages: allowed
+        engine.close_turn(turn)
+        assert engine.pool.free_pages == engine.pool.num_pages and engine.pool.promised_pages == 0
+    finally:
+        engine.stop()
+
+
+# -- refusals ------------------------------------------------------------------------------------------
+def test_step_whose_eviction_disagrees_with_the_window_is_refused(engine):
+    c = Client(engine)
+    turn = c.open()
+    c.step(turn, 40)
+    for wrong in (0, 1, 16):  # the window evicts 8 before a step of 9 at 40 tokens
+        with pytest.raises(Aborted, match=f"client's window evicts {wrong} tokens before this step but the "
+                                          "server's evicts 8"):
+            engine.step(turn, torch.randn(9, HIDDEN), 40, 1, wrong)
+    assert turn.status is TurnStatus.OPEN and turn.cache.length == 40
+    with pytest.raises(Aborted, match="client's window evicts 8 tokens before this step but the server's evicts 0"):
+        engine.step(turn, torch.randn(1, HIDDEN), 40, 1, 8)
+    assert c.step(turn, 9).num_evicted == 8
+    engine.close_turn(turn)
+
+
+def test_step_after_the_engine_stopped_is_answered_at_once(bundle, tmp_path):
+    engine = make_engine(bundle, open_store(tmp_path / "store"), kv_pool_tokens=64, admission_wait=30.0)
+    a, b = Client(engine, 1), Client(engine, 2)
+    hog, small = a.open(reserve_tokens=40), b.open(reserve_tokens=8)
+    b.step(small, 8)
+    waiting = engine.submit_step(small, torch.randn(20, HIDDEN), 8)  # past its quota: waits for spare pages
+    time.sleep(0.2)
+    assert not waiting.done()
+    engine.stop()
+    with pytest.raises(Unavailable, match="shutting down"):
+        waiting.result(timeout=5)  # a step waiting in the scheduler is answered
+    with pytest.raises(Unavailable, match="shutting down"):
+        engine.submit_step(hog, torch.randn(1, HIDDEN), 0).result(timeout=5)  # and one submitted afterwards
+    with pytest.raises(Unavailable, match="shutting down"):
+        a.open()
+    engine.close_turn(hog)
+    engine.close_turn(small)
+
+
+def test_a_failed_forward_fails_only_its_batch(bundle, store, monkeypatch):
+    engine = make_engine(bundle, store)
+    try:
+        a, b = Client(engine, 1), Client(engine, 2)
+        a.turn(12)
+        b.turn(9)
+        b_committed = snapshot(b.stored_cache())
+        ta, tb = a.open(), b.open()
+        real_run = engine.runner.run
+
+        def out_of_memory(caches, hidden, num_outputs):
+            if tb.cache in caches:
+                raise RuntimeError("CUDA out of memory. Tried to allocate 20.00 GiB")
+            return real_run(caches, hidden, num_outputs)
+
+        monkeypatch.setattr(engine.runner, "run", out_of_memory)
+        with pytest.raises(Unavailable, match=r"failed to run this step \(RuntimeError; out of memory\?\); "
+                                              "nothing was committed — retry"):
+            b.step(tb, 3)
+        assert tb.status is TurnStatus.FAILED
+        with pytest.raises(Aborted, match="this turn failed"):
+            engine.step(tb, torch.randn(1, HIDDEN), b.length)
+        with pytest.raises(Aborted, match="this turn failed"):
+            engine.commit(tb)
+        engine.close_turn(tb)
+        for _ in range(3):  # the other session carries on, and commits
+            a.step(ta, 2)
+        a.commit(ta)
+        engine.close_turn(ta)
+        monkeypatch.setattr(engine.runner, "run", real_run)
+        assert_same(snapshot(b.stored_cache()), b_committed, "the failed session's committed state")
+        b.length = 9
+        b.turn(1)  # and the failed session itself goes on from its last commit
+        assert engine.pool.free_pages == engine.pool.num_pages and engine.pool.promised_pages == 0
+    finally:
+        engine.stop()
+
+
+# -- loading -------------------------------------------------------------------------------------------
+def decrypt_threads() -> int:
+    return sum(t.name == "infemeral-decrypt" for t in threading.enumerate())
+
+
+def test_a_failed_load_leaves_no_thread_behind(engine, monkeypatch):
+    """Filling the pages fails (say, the device is out of memory): the decrypting thread must stop too,
+    rather than block forever on its queue holding ciphertext and decrypted layers."""
+    c = Client(engine)
+    c.turn(20)
+    before = decrypt_threads()
+
+    def no_memory(self, slot, keys, values):
+        raise torch.OutOfMemoryError("no room for this layer")
+
+    monkeypatch.setattr(PagedSequence, "load_layer", no_memory)
+    for _ in range(3):
+        with pytest.raises(torch.OutOfMemoryError):
+            c.open()
+    deadline = time.monotonic() + 5
+    while decrypt_threads() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert decrypt_threads() == before
+    monkeypatch.undo()
+    assert engine.active_turns == 0 and engine.pool.free_pages == engine.pool.num_pages
+    c.turn(1)  # nothing was left locked or half-loaded

@@ -1,0 +1,128 @@
+"""The scheduler on its own: no threads, no model, a fake clock and a tiny page pool."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from infemeral.errors import Aborted
+from infemeral.kvcache.paged import PagedSequence, PagePool
+from infemeral.kvcache.stored import SessionKeys
+from infemeral.kvcache.window import WindowPolicy
+from infemeral.server.scheduler import Admission, Scheduler, StepRequest
+from infemeral.server.turn import Turn
+
+PAGE = 4
+WINDOW = WindowPolicy(max_context=24, sink_tokens=2, page_size=PAGE)
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(num_pages: int = 16, budget: int = 8, wait: float = 1.0):
+    pool = PagePool(num_pages, PAGE, first_layer=0, num_layers=1, kv_heads=1, head_dim=2, dtype=torch.float32)
+    clock = Clock()
+    return pool, clock, Scheduler(WINDOW, torch.ones(1, dtype=torch.float64), budget, wait, clock)
+
+
+def new_turn(pool: PagePool, quota_tokens: int = 0, length: int = 0) -> Turn:
+    sid = os.urandom(16)
+    turn = Turn(sid, SessionKeys.derive(sid, os.urandom(32)), PagedSequence(pool))
+    if quota_tokens:
+        turn.cache.grant(quota_tokens)
+    if length:
+        turn.cache.reserve(length)
+        positions = torch.arange(length, dtype=torch.float32)
+        turn.cache.write(0, 0, positions.view(1, -1, 1).expand(1, length, 2), positions.view(1, -1, 1).expand(1, length, 2))
+        turn.cache.set_length(length)
+    return turn
+
+
+def step(turn: Turn, num_tokens: int, num_evicted: int = 0) -> StepRequest:
+    return StepRequest(turn, None, num_tokens, 1, num_evicted)
+
+
+def test_first_come_first_served_under_the_token_budget():
+    pool, _, scheduler = make(num_pages=64, budget=8)
+    steps = [step(new_turn(pool, 32), n) for n in (5, 4, 3, 1)]
+    for s in steps:
+        scheduler.add(s)
+    assert scheduler.schedule().batch == steps[:1]  # 5 + 4 > 8: the 4 waits its turn (no skipping ahead)
+    assert scheduler.schedule().batch == steps[1:]  # 4 + 3 + 1 = 8
+    big = step(new_turn(pool, 32), 20)  # over the budget on its own: it still runs, alone
+    scheduler.add(big)
+    scheduler.add(small := step(new_turn(pool, 32), 1))
+    assert scheduler.schedule().batch == [big]
+    assert scheduler.schedule().batch == [small]
+    assert scheduler.num_waiting == 0
+
+
+def test_within_its_quota_a_step_is_admitted_even_with_no_spare_pages():
+    pool, _, scheduler = make(num_pages=4)
+    granted = new_turn(pool, quota_tokens=12)  # 3 pages promised
+    other = new_turn(pool)
+    other.cache.reserve(PAGE)  # takes the only spare page
+    assert pool.spare_pages == 0
+    s = step(granted, 12)
+    assert scheduler.admit(s) is Admission.ADMIT and len(granted.cache.pages) == 3
+    assert scheduler.admit(step(other, PAGE + 1)) is Admission.WAIT  # past its (empty) quota: waits
+
+
+def test_past_its_quota_a_step_waits_then_fails_and_keeps_its_place_meanwhile():
+    pool, clock, scheduler = make(num_pages=4, wait=1.0)
+    full = new_turn(pool, quota_tokens=12)
+    greedy = new_turn(pool, quota_tokens=4)
+    scheduler.add(over := step(greedy, 8))  # needs a second page: none spare
+    scheduler.add(fine := step(full, 4))
+    schedule = scheduler.schedule()
+    assert schedule.batch == [fine] and not schedule.failed
+    assert list(scheduler.waiting) == [over]
+    clock.now = 0.9
+    assert scheduler.schedule().batch == [] and list(scheduler.waiting) == [over]
+    clock.now = 1.1
+    schedule = scheduler.schedule()
+    assert schedule.failed == [over] and scheduler.num_waiting == 0
+    assert "grew past the 4 tokens it reserved" in over.error.message and over.error.retry_after > 0
+    assert len(greedy.cache.pages) == 0  # a refused step takes nothing
+
+
+def test_the_window_slides_once_as_an_explicit_step():
+    pool, clock, scheduler = make(num_pages=7, wait=1.0)
+    turn = new_turn(pool, quota_tokens=24, length=22)
+    pool.take(pool.spare_pages)  # nothing spare: growth is only possible within the quota
+    evict = WINDOW.tokens_to_evict(22, 5)
+    assert evict == 4
+    s = step(turn, 5, evict)
+    assert scheduler.admit(s) is Admission.ADMIT
+    assert turn.cache.length == 18 and turn.cache.committed_length == WINDOW.sink_tokens
+    _, v = turn.cache.layer_tensors(0)  # values are the old positions: the sinks, then 6.. 21 moved down
+    assert v[0, :, 0].tolist() == [0.0, 1.0] + [float(p) for p in range(6, 22)]
+    again = step(turn, 1)
+    assert scheduler.admit(again) is Admission.ADMIT and turn.cache.length == 18  # no second slide
+    pool, _, scheduler = make()
+    with pytest.raises(Aborted, match="evicted 0 tokens, not the 4 agreed"):
+        scheduler.slide_window(step(new_turn(pool, 24, length=4), 5, 4))
+
+
+def test_a_step_of_a_turn_being_closed_does_not_start():
+    pool, _, scheduler = make()
+    turn = new_turn(pool, quota_tokens=8)
+    turn.is_close_requested = True
+    s = step(turn, 2)
+    assert scheduler.admit(s) is Admission.FAIL and "closed" in s.error.message
+    assert turn.cache.pages == []
+
+
+def test_page_quota_of_a_turn():
+    _, _, scheduler = make()
+    assert scheduler.quota_tokens(length=10, reserve_tokens=5) == 15
+    assert scheduler.quota_tokens(length=10, reserve_tokens=0) == WINDOW.max_context  # undeclared: a window
+    assert scheduler.quota_tokens(length=20, reserve_tokens=100) == WINDOW.max_context  # never past a window
+    assert scheduler.quota_tokens(length=0, reserve_tokens=1) == 1
