@@ -65,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("chat", help="interactive chat; resumable with --session",
                        description="Interactive chat. Type a message and press Enter; /exit or Ctrl-D quits, "
                                    "/reset starts over. With --session NAME the conversation is saved after "
-                                   "every turn and resumed next time.")
+                                   "every turn and resumed next time. A turn that fails (network, server) is "
+                                   "reported and leaves the conversation as it was.")
     c.add_argument("--session", help="name of a saved session to resume or create")
     c.add_argument("--system", help="system prompt for a new session")
     add_settings_flags(c, ClientSettings, ("sessions_dir",))
@@ -168,15 +169,29 @@ def cmd_chat(args) -> int:
                 continue
             if interactive:
                 print("assistant> ", end="", flush=True)
-            for delta in session.stream(message, settings.sampling()):
-                sys.stdout.write(delta)
-                sys.stdout.flush()
-            sys.stdout.write("\n")
-            sys.stdout.flush()
-            _report(session.last_result, args.verbose)
-            if path:
+            if _chat_turn(session, message, settings):
+                _report(session.last_result, args.verbose)
+            if path:  # also after a failed turn: it may have left a commit to settle
                 session.save(path)
     return 0
+
+
+def _chat_turn(session, message: str, settings: ClientSettings) -> bool:
+    """Stream one answer; on failure say why and keep the conversation as it was. True if it committed."""
+    try:
+        for delta in session.stream(message, settings.sampling()):
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+    except InfemeralError as e:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        unsure = " (its commit is unconfirmed; the next turn asks the server)" if session.pending_commit else ""
+        print(f"infemeral-client: this turn failed: {e}\nThe conversation is unchanged{unsure}; send your "
+              "message again or another one.", file=sys.stderr)
+        return False
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    return True
 
 
 def cmd_info(args) -> int:

@@ -22,7 +22,6 @@ import secrets
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -31,6 +30,8 @@ from safetensors.torch import load_file, save_file
 
 from infemeral.cloak.bundle import ClientBundle
 from infemeral.client.local_model import ClientModel
+from infemeral.client.pending import PendingCommit
+from infemeral.client.result import TurnResult
 from infemeral.client.sampling import Sampler, SamplingParams
 from infemeral.errors import Aborted, FailedPrecondition, InfemeralError, StatusError, from_rpc_error
 from infemeral.kvcache.cache import KVCache
@@ -40,29 +41,7 @@ from infemeral.protocol.tensors import WIRE_DTYPES, from_proto, to_proto
 from infemeral.transport import client_channel
 
 SESSION_FILE_FORMAT = "infemeral-session"
-SESSION_FILE_VERSION = 1
-
-
-@dataclass
-class TurnResult:
-    """What one turn did; token counts and timings only, for display and benchmarks."""
-
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)  # sampled ids, stays on the client
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    finish_reason: str = ""  # "eos", "stop", "length" or "context"
-    time_to_first_token: float = 0.0
-    decode_seconds: float = 0.0
-    version: int = 0
-    cache_length: int = 0
-    truncated_tokens: int = 0
-    evicted_tokens: int = 0  # tokens the sliding window dropped during this turn
-
-    @property
-    def tokens_per_second(self) -> float:
-        steps = self.generated_tokens - 1
-        return steps / self.decode_seconds if steps > 0 and self.decode_seconds > 0 else 0.0
+SESSION_FILE_VERSION = 2  # 2: adds an unconfirmed turn (`pending`); version 1 files still load
 
 
 class Client:
@@ -187,9 +166,9 @@ class Session:
         self.cache = client.model.new_cache()
         self._busy = threading.Lock()
         self.last_result: TurnResult | None = None
-        # A turn whose commit was sent but never answered (connection lost): its outcome, and the
-        # client-side state it would lead to, until the server says whether it landed.
-        self._unconfirmed: dict | None = None
+        # A turn whose commit was sent but never answered (connection lost), until the server says whether
+        # it landed; the next turn settles it first.
+        self.pending_commit: PendingCommit | None = None
 
     def __repr__(self) -> str:  # never print the key
         return f"Session(id={self.id.hex()[:8]}…, version={self.version}, tokens={len(self.history_ids)})"
@@ -210,61 +189,75 @@ class Session:
         ids = self.client.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         return list(ids if isinstance(ids, list) else ids["input_ids"])
 
-    def _settle_unconfirmed(self) -> None:
-        """Ask the server whether a turn whose commit reply was lost did commit; adopt it if so."""
-        pending, stream = self._unconfirmed, _TurnStream(self.client)
+    def _settle_pending(self) -> None:
+        """Ask the server whether the turn whose commit reply was lost did commit; adopt it if so."""
+        pending, stream = self.pending_commit, _TurnStream(self.client)
         try:
             opened = stream.call(pb.TurnRequest(open=pb.OpenTurn(
                 session_id=self.id, session_key=self.key, expected_version=self.version,
                 bundle_fingerprint=self.client.bundle.server_fingerprint, turn_id=secrets.token_bytes(16),
-                pending_turn_id=pending["turn_id"])), "opened")
+                pending_turn_id=pending.turn_id, reserve_tokens=1)), "opened")
         finally:
             stream.close()  # no commit: the probe changes nothing
-        if opened.pending_committed:
-            self.version, self.cache = opened.version, pending["cache"]
-            self.history_ids, self.messages = pending["history_ids"], pending["messages"]
-            self.last_result = pending["result"]
-        self._unconfirmed = None
+        if opened.pending_committed and opened.version == pending.version:
+            self.version, self.cache = pending.version, pending.cache
+            self.history_ids, self.messages = pending.history_ids, pending.messages
+            self.last_result = pending.result
+        self.pending_commit = None
+
+    def _rewind(self, target_ids: list[int], sink_tokens: int) -> tuple[int, int]:
+        """(tokens of the history this turn keeps, cache positions it drops first).
+
+        Normally the turn keeps the longest common prefix of the history and the new transcript and
+        drops the cache's tail after it. But once the window has evicted tokens, the cache holds the
+        sinks and the most recent tokens only: a rewind into what was evicted cannot be made by
+        dropping a tail (it would cut into the sinks and leave the wrong tokens in their place), so the
+        turn then drops the whole cache and sends the transcript again from the start."""
+        keep = _common_prefix(self.history_ids, target_ids)
+        if keep == len(target_ids):  # always send at least one token to get logits
+            keep -= 1
+        evicted = len(self.history_ids) - self.cache.length
+        if evicted > 0 and keep < sink_tokens + evicted:
+            return 0, self.cache.length
+        return keep, len(self.history_ids) - keep
 
     def _turn(self, target_ids: list[int], messages: list[dict], params: SamplingParams) -> Iterator[str]:
         if not self._busy.acquire(blocking=False):
             raise Aborted("this session is already running a turn")
         try:
-            if self._unconfirmed is not None:
-                self._settle_unconfirmed()
+            if self.pending_commit is not None:
+                self._settle_pending()
                 messages = self.messages + messages[-1:]  # the new user message on the settled transcript
                 target_ids = self._render(messages)
         except BaseException:
             self._busy.release()
             raise
         client, model = self.client, self.client.model
-        keep = _common_prefix(self.history_ids, target_ids)
-        if keep == len(target_ids):  # always send at least one token to get logits
-            keep -= 1
-        drop = len(self.history_ids) - keep
         undo: list[KVCache] = []  # a copy of the committed local cache, taken before it is first rewritten
 
         def keep_undo() -> None:
             if not undo:
                 undo.append(self.cache.clone())
 
-        result = TurnResult(truncated_tokens=drop)
+        result = TurnResult()
         stream = None
         committed = commit_sent = False
         turn_id = secrets.token_bytes(16)
         try:
             info = client.server_info()
             wire = client.wire_dtype
+            keep, drop = self._rewind(target_ids, info.sink_tokens)
+            new_prompt = target_ids[keep:]
+            result.truncated_tokens, result.prompt_tokens = drop, len(new_prompt)
             stream = _TurnStream(client)
             opened = stream.call(pb.TurnRequest(open=pb.OpenTurn(
                 session_id=self.id, session_key=self.key, expected_version=self.version,
-                bundle_fingerprint=client.bundle.server_fingerprint, turn_id=turn_id)), "opened")
+                bundle_fingerprint=client.bundle.server_fingerprint, turn_id=turn_id,
+                reserve_tokens=len(new_prompt) + params.max_new_tokens)), "opened")
             if opened.cache_length != self.cache.length:
                 raise Aborted(f"server holds {opened.cache_length} tokens for this session but the client holds "
                               f"{self.cache.length}; the session file is out of date")
             if drop:
-                if drop > self.cache.length:
-                    raise Aborted("the transcript changed further back than the cache reaches; start a new session")
                 keep_undo()
                 stream.call(pb.TurnRequest(truncate=pb.Truncate(tokens=drop, cache_length=self.cache.length)),
                             "truncated")
@@ -288,12 +281,10 @@ class Session:
                 return model.logits(from_proto(out.hidden, model.hidden_size, 1, "server residual"))[-1]
 
             started = time.perf_counter()
-            new_prompt = target_ids[keep:]
-            result.prompt_tokens = len(new_prompt)
             chunk = max(1, min(info.max_step_tokens, window.max_step))
             for i in range(0, len(new_prompt), chunk):
                 logits = step(new_prompt[i:i + chunk])
-            fed = target_ids[:]
+            fed = target_ids[:]  # what the caches hold (and the window dropped) once the prompt is in
             sampler = Sampler(params)
             generated: list[int] = []
             emitted = ""
@@ -349,10 +340,9 @@ class Session:
                 stream.close()
             if commit_sent and not committed:  # the outcome is unknown until the server is asked
                 result.version = self.version + 1
-                self._unconfirmed = {"turn_id": turn_id, "cache": self.cache.clone(), "history_ids": fed,
-                                     "messages": messages + [{"role": "assistant", "content": result.text}],
-                                     "result": result}
-                self._unconfirmed["cache"].commit()
+                self.pending_commit = PendingCommit.of_turn(
+                    turn_id, self.version + 1, self.cache, fed,
+                    messages + [{"role": "assistant", "content": result.text}], result)
             if not committed:
                 if undo:
                     self.cache = undo[0]
@@ -371,18 +361,22 @@ class Session:
         self.version = 0
 
     def save(self, path: str | Path) -> Path:
-        """Write the session (id, key, version, transcript, local cache) to an owner-only file."""
+        """Write the session (id, key, version, transcript, local cache, and a turn whose commit is still
+        unconfirmed) to an owner-only file."""
         path = Path(path).expanduser()
         path.parent.mkdir(parents=True, exist_ok=True)
         meta = {"format": SESSION_FILE_FORMAT, "format_version": SESSION_FILE_VERSION,
                 "server_fingerprint": self.client.bundle.server_fingerprint,
                 "id": self.id.hex(), "key": self.key.hex(), "version": self.version,
                 "history_ids": self.history_ids, "messages": self.messages,
-                "cache_length": self.cache.committed_length}
+                "cache_length": self.cache.committed_length,
+                "pending": self.pending_commit.metadata() if self.pending_commit else None}
         tensors = {}
         for slot in range(self.cache.num_layers):
             k, v = self.cache.layer_tensors(slot, 0, self.cache.committed_length)
             tensors[f"k.{slot}"], tensors[f"v.{slot}"] = k.contiguous(), v.contiguous()
+        if self.pending_commit:
+            tensors.update(self.pending_commit.tensors())
         tmp = path.with_name(f".{path.name}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.close(fd)
@@ -398,7 +392,7 @@ class Session:
 
         with safe_open(str(path), framework="pt") as f:
             meta = json.loads((f.metadata() or {}).get("session", "{}"))
-        if meta.get("format") != SESSION_FILE_FORMAT or meta.get("format_version") != SESSION_FILE_VERSION:
+        if meta.get("format") != SESSION_FILE_FORMAT or meta.get("format_version") not in (1, SESSION_FILE_VERSION):
             raise InfemeralError(f"{path} is not an infemeral session file this version can read")
         if meta["server_fingerprint"] != client.bundle.server_fingerprint:
             raise FailedPrecondition(f"{path} belongs to a different client bundle")
@@ -410,6 +404,8 @@ class Session:
         for slot in range(session.cache.num_layers):
             session.cache.load_layer(slot, tensors[f"k.{slot}"], tensors[f"v.{slot}"])
         session.cache.set_length(meta.get("cache_length", len(session.history_ids)))
+        if meta.get("pending"):  # settled by the next turn
+            session.pending_commit = PendingCommit.from_saved(meta["pending"], tensors, client.model.new_cache())
         return session
 
 

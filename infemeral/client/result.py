@@ -1,0 +1,27 @@
+"""What one turn did, for display and benchmarks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TurnResult:
+    """What one turn did; token counts and timings only, for display and benchmarks."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)  # sampled ids, stays on the client
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    finish_reason: str = ""  # "eos", "stop", "length" or "context"
+    time_to_first_token: float = 0.0
+    decode_seconds: float = 0.0
+    version: int = 0
+    cache_length: int = 0
+    truncated_tokens: int = 0
+    evicted_tokens: int = 0  # tokens the sliding window dropped during this turn
+
+    @property
+    def tokens_per_second(self) -> float:
+        steps = self.generated_tokens - 1
+        return steps / self.decode_seconds if steps > 0 and self.decode_seconds > 0 else 0.0
