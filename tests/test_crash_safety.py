@@ -10,8 +10,8 @@ with its keys:
 
 - the authenticated manifest is at the last version the client saw committed,
   or one past it (the commit landed but its reply was lost), and its length is
-  the length that version's turn produced (and, where the protocol has turn
-  ids, the manifest names that very turn);
+  the length that version's turn produced, and the manifest names that very
+  turn (its turn id);
 - the whole cache decrypts, and its keys/values for the tokens no turn has
   touched since the previous check are bit-for-bit the ones decrypted then;
 - the manifest names only `chunk-*` files that exist. A kill inside a write can
@@ -68,8 +68,6 @@ DELAY = (0.05, 0.6)     # seconds between the server reporting SERVING and SIGKI
 AHEAD = 2               # servers booting while one is hammered (start-up is most of a round's time)
 MAX_LENGTH = 1500       # past this, a turn truncates deep into the committed tokens
 TURN_TIMEOUT = 30.0
-# Turns name themselves and the manifest records the committing turn (when the protocol has turn ids).
-TURN_IDS = "turn_id" in pb.OpenTurn.DESCRIPTOR.fields_by_name
 
 
 # -- the model and its servers -------------------------------------------------------------------
@@ -150,9 +148,8 @@ class Session:
         return cls(index, sid, key, stored.SessionKeys.derive(sid, key))
 
     def open_request(self, fingerprint: str, turn_id: bytes = b"") -> pb.TurnRequest:
-        extra = {"turn_id": turn_id} if TURN_IDS else {}
         return pb.TurnRequest(open=pb.OpenTurn(session_id=self.id, session_key=self.key, expected_version=self.version,
-                                               bundle_fingerprint=fingerprint, **extra))
+                                               bundle_fingerprint=fingerprint, turn_id=turn_id))
 
 
 def hidden_rows(n: int, gen: torch.Generator) -> pb.Tensor:
@@ -162,7 +159,7 @@ def hidden_rows(n: int, gen: torch.Generator) -> pb.Tensor:
 def run_turn(stub, s: Session, fingerprint: str, rng: random.Random, gen: torch.Generator) -> None:
     """One turn sent in one go: open, maybe truncate, one or two steps, commit; every reply checked."""
     length = s.length
-    turn_id = rng.randbytes(16) if TURN_IDS else b""
+    turn_id = rng.randbytes(16)
     requests, expect = [s.open_request(fingerprint, turn_id)], []
     drop = 0
     if length > MAX_LENGTH:
@@ -267,8 +264,7 @@ def _check_stored(root: Path, s: Session, layers: LayerStack, fingerprint: str, 
             f"turn that would commit it had {s.pending}")
         leftovers["lost_reply"] = True
         s.turn_id = s.pending_turn_id
-    if TURN_IDS:
-        assert manifest.turn_id == s.turn_id.hex(), f"{where}: session {s.index} was committed by another turn"
+    assert manifest.turn_id == s.turn_id.hex(), f"{where}: session {s.index} was committed by another turn"
     assert manifest.fingerprint == fingerprint
     names = [ref.name for ref in manifest.chunks]
     assert all(n.startswith("chunk-") for n in names), f"{where}: manifest names non-chunk files {names}"
@@ -356,7 +352,7 @@ def test_sigkill_during_commits_leaves_old_or_new_version(tiny, tmp_path):
                 version = s.version
                 assert version >= 1, f"session {s.index} never committed in {ROUNDS} rounds"
                 rows = torch.randn(5, HIDDEN, generator=gen)
-                turn_id = rng.randbytes(16) if TURN_IDS else b""
+                turn_id = rng.randbytes(16)
                 replies = list(stub.Turn(iter([
                     s.open_request(fingerprint, turn_id),
                     pb.TurnRequest(step=pb.Step(hidden=to_proto(rows), cache_length=s.length, outputs=5)),
