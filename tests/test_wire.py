@@ -25,9 +25,9 @@ ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 # Every field a TurnRequest may carry, per message type; anything else is a leak.
 ALLOWED = {
     "infemeral.v1.TurnRequest": {"open", "step", "truncate", "commit"},
-    # turn ids are 16 random bytes naming a turn; evict and cache_length are counts, not token data
+    # turn ids are 16 random bytes naming a turn; reserve_tokens, evict and cache_length are counts, not token data
     "infemeral.v1.OpenTurn": {"session_id", "session_key", "expected_version", "bundle_fingerprint", "turn_id",
-                              "pending_turn_id"},
+                              "pending_turn_id", "reserve_tokens"},
     "infemeral.v1.Step": {"hidden", "cache_length", "outputs", "evict"},
     "infemeral.v1.Tensor": {"data", "dtype", "shape"},
     "infemeral.v1.Truncate": {"tokens", "cache_length"},
@@ -103,6 +103,7 @@ def test_only_turn_fields_and_float_hidden_states(recorded):
             check_fields(request, f"turn {t} message {i}")
             assert request.WhichOneof("kind") is not None
         assert turn[0].open.expected_version == t
+        assert turn[0].open.reserve_tokens == results[t].prompt_tokens + NEW_TOKENS  # what the turn may add
         assert len(turn[0].open.session_id) == 16 and len(turn[0].open.session_key) == 32
         for s in steps(turn):
             x = s.hidden
