@@ -138,10 +138,6 @@ class PagedSequence:
         self.pool.grant(pages, wait)
         self.quota_pages = pages
 
-    def can_hold(self, tokens: int) -> bool:
-        """Whether `tokens` positions fit the grant (and so never wait for pages)."""
-        return self.pool.pages_for(tokens) <= max(self.quota_pages, len(self.pages))
-
     def reserve(self, tokens: int) -> None:
         """Make sure pages exist for `tokens` positions: from the grant first, then from spare pages."""
         missing = self.pool.pages_for(tokens) - len(self.pages)
