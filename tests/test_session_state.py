@@ -228,7 +228,7 @@ def test_chat_cli_survives_a_lost_commit_and_settles_it_on_resume(monkeypatch, c
     # A new process resumes the saved session: the lost turn is adopted and the conversation continues.
     code, out, err = run_chat(monkeypatch, capsys, server, bundles, tmp_path, [questions[2]])
     assert code == 0, err
-    assert "resumed session 'trip'" in err and "failed" not in err
+    assert "resumed session 'trip' (2 messages)" in err and "never confirmed" in err and "failed" not in err
     assert out.strip() == expected[2]
     resumed = Session.load(client, tmp_path / "trip.session")
     assert resumed.version == 3 and resumed.pending_commit is None and len(resumed.messages) == 6

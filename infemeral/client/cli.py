@@ -146,6 +146,9 @@ def cmd_chat(args) -> int:
         if path and path.exists():
             session = Session.load(client, path)
             print(f"resumed session {args.session!r} ({len(session.messages)} messages)", file=sys.stderr)
+            if session.pending_commit:
+                print("(the last turn's commit was never confirmed; the next turn asks the server whether it "
+                      "landed)", file=sys.stderr)
         else:
             session = client.new_session(system_prompt=args.system)
         while True:
