@@ -7,33 +7,40 @@ import torch
 
 from infemeral.kvcache.paged import PagedBatch, PagedSequence, PagePool, PoolExhausted
 from infemeral.model.attention import attend
-from infemeral.model.paged_attention import TorchBackend, select_backend, torch_paged_attention
+from infemeral.model.paged_attention import (IN_PLACE_MIN_TOKENS, BatchShape, FlashInferBackend, TorchBackend,
+                                             TorchPlan, select_backend, torch_paged_attention)
 
 PAGE, KVH, H, D = 16, 2, 6, 8
 
 
-def naive(q, k, v, scale):
-    """q [n, H, D] are the last n positions of k/v [L, KVH, D]; plain softmax attention, causal."""
-    n, L = q.shape[0], k.shape[0]
-    k = k.repeat_interleave(H // KVH, dim=1)
-    v = v.repeat_interleave(H // KVH, dim=1)
+def naive(q, k, v, scale, window=None):
+    """q [n, H, D] are the last n positions of k/v [L, KVH, D]; plain softmax attention, causal (and windowed)."""
+    n, L, h, kvh = q.shape[0], k.shape[0], q.shape[1], k.shape[1]
+    k = k.repeat_interleave(h // kvh, dim=1)
+    v = v.repeat_interleave(h // kvh, dim=1)
     scores = torch.einsum("nhd,lhd->hnl", q, k) * scale
-    allowed = torch.arange(L)[None, :] <= (L - n + torch.arange(n))[:, None]
+    query_pos = (L - n + torch.arange(n))[:, None]
+    allowed = torch.arange(L)[None, :] <= query_pos
+    if window is not None:
+        allowed &= torch.arange(L)[None, :] > query_pos - window
     scores = scores.masked_fill(~allowed, float("-inf"))
     return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v)
 
 
-def scattered_pages(lengths, num_pages=64, seed=0):
+def scattered_pages(lengths, num_pages=64, seed=0, kv_heads=KVH, junk=None):
     """Random K/V per sequence, written to randomly chosen (non-contiguous) pages of a pool."""
     g = torch.Generator().manual_seed(seed)
-    k_pages = torch.randn(num_pages, PAGE, KVH, D, generator=g) * 100  # junk everywhere else
-    v_pages = torch.randn(num_pages, PAGE, KVH, D, generator=g) * 100
+    k_pages = torch.randn(num_pages, PAGE, kv_heads, D, generator=g) * 100  # junk everywhere else
+    v_pages = torch.randn(num_pages, PAGE, kv_heads, D, generator=g) * 100
+    if junk is not None:
+        k_pages.fill_(junk)
+        v_pages.fill_(junk)
     order = torch.randperm(num_pages, generator=g).tolist()
     seqs, indptr, indices, last = [], [0], [], []
     for L in lengths:
         n_pages = -(-L // PAGE)
         pages, order = order[:n_pages], order[n_pages:]
-        k, v = torch.randn(L, KVH, D, generator=g), torch.randn(L, KVH, D, generator=g)
+        k, v = torch.randn(L, kv_heads, D, generator=g), torch.randn(L, kv_heads, D, generator=g)
         for i, p in enumerate(pages):
             chunk = slice(i * PAGE, min(L, (i + 1) * PAGE))
             k_pages[p, : chunk.stop - chunk.start] = k[chunk]
@@ -69,6 +76,75 @@ def test_torch_paged_attention_matches_naive_reference(case):
     for i, (k, v) in enumerate(seqs):
         rows = slice(qo_indptr[i], qo_indptr[i + 1])
         assert (out[rows] - naive(q[rows], k, v, scale)).abs().max() < 1e-4, (case, i)
+
+
+BATCHED = {  # (lengths, new tokens per sequence, query heads, KV heads, sliding window)
+    "decode, mixed lengths, GQA 3:1": ([3, 16, 17, 40, 100, 250, 9, 33], [1] * 8, 6, 2, None),
+    "decode, GQA 4:1": ([50, 60, 7, 120], [1, 1, 1, 1], 8, 2, None),
+    "decode, multi-head": ([30, 20, 64, 65], [1, 1, 1, 1], 4, 4, None),
+    "decode, sliding window": ([5, 40, 100, 23], [1] * 4, 6, 2, 24),
+    "verify drafts + decode": ([20, 44, 90, 25, 50], [5, 1, 3, 5, 1], 6, 2, None),
+    "prefill + drafts + decode, window": ([120, 30, 61, 8, 55], [70, 4, 1, 1, 1], 6, 2, 32),
+}
+
+
+def csr_of(queries):
+    return torch.tensor([0] + torch.tensor(queries).cumsum(0).tolist())
+
+
+@pytest.mark.parametrize("case", BATCHED)
+def test_batched_torch_attention_matches_naive_reference(case):
+    lengths, queries, heads, kv_heads, window = BATCHED[case]
+    seqs, k_pages, v_pages, (kv_indptr, kv_indices, last) = scattered_pages(lengths, kv_heads=kv_heads)
+    q = torch.randn(sum(queries), heads, D, generator=torch.Generator().manual_seed(1))
+    qo = csr_of(queries)
+    plan = TorchPlan(BatchShape.from_csr(qo, kv_indptr, kv_indices, last, PAGE), torch.device("cpu"))
+    assert any(len(g.members) >= 2 for g in plan.groups)  # padded batches, not a loop, ran these
+    out = plan.run(q, k_pages, v_pages, D ** -0.5, window)
+    for i, (k, v) in enumerate(seqs):
+        rows = slice(qo[i], qo[i + 1])
+        assert (out[rows] - naive(q[rows], k, v, D ** -0.5, window)).abs().max() < 1e-4, (case, i)
+
+
+def test_batched_decode_is_bit_identical_to_each_sequence_alone():
+    """Why 16 concurrent sessions get exactly their solo tokens: batching changes no bit of a session's output."""
+    lengths = [3, 17, 40, 100, 250, 9, 33, 64]
+    seqs, k_pages, v_pages, (kv_indptr, kv_indices, last) = scattered_pages(lengths)
+    q = torch.randn(len(lengths), H, D, generator=torch.Generator().manual_seed(1))
+    together = torch_paged_attention(q, k_pages, v_pages, csr_of([1] * 8), kv_indptr, kv_indices, last, D ** -0.5)
+    for i in range(len(lengths)):
+        pages = kv_indices[kv_indptr[i]:kv_indptr[i + 1]]
+        alone = torch_paged_attention(q[i:i + 1], k_pages, v_pages, torch.tensor([0, 1]),
+                                      torch.tensor([0, len(pages)]), pages, last[i:i + 1], D ** -0.5)
+        assert torch.equal(together[i], alone[0]), i
+
+
+@pytest.mark.parametrize("poison", [float("nan"), 1e30, float("inf")])
+def test_batched_attention_ignores_foreign_pages_and_own_slots_past_the_length(poison):
+    lengths, queries = [20, 35, 9, 50, 300], [1, 1, 4, 1, 1]
+    clean = scattered_pages(lengths, junk=0.0)
+    dirty = scattered_pages(lengths, junk=poison)  # same data; every other slot of the pool poisoned
+    (_, kc, vc, csr), (_, kd, vd, _) = clean, dirty
+    q = torch.randn(sum(queries), H, D, generator=torch.Generator().manual_seed(3))
+    a = torch_paged_attention(q, kc, vc, csr_of(queries), *csr, D ** -0.5)
+    b = torch_paged_attention(q, kd, vd, csr_of(queries), *csr, D ** -0.5)
+    assert torch.isfinite(b).all()
+    assert torch.equal(a, b)
+
+
+def test_long_caches_and_prefills_get_their_own_sdpa_short_decodes_are_grouped_by_length():
+    lengths, queries = [IN_PLACE_MIN_TOKENS + 5, 30, 12, 70, 40, 31], [1, 1, 1, 1, 40, 1]
+    _, _, _, (indptr, indices, last) = scattered_pages(lengths)
+    plan = TorchPlan(BatchShape.from_csr(csr_of(queries), indptr, indices, last, PAGE), torch.device("cpu"))
+    assert plan.singles == [0, 4]
+    assert [g.members for g in plan.groups] == [[1, 2, 5], [3]]  # 32-token steps: 30, 12, 31 | 70
+
+
+def test_batch_shapes_that_cannot_be_right_are_refused():
+    with pytest.raises(ValueError, match="kv_last_page_len"):
+        BatchShape.from_csr(torch.tensor([0, 1]), torch.tensor([0, 1]), torch.tensor([3]), torch.tensor([0]), PAGE)
+    with pytest.raises(ValueError, match="new tokens"):
+        BatchShape.from_csr(torch.tensor([0, 9]), torch.tensor([0, 1]), torch.tensor([3]), torch.tensor([5]), PAGE)
 
 
 def test_contiguous_attention_matches_naive_reference():
@@ -159,6 +235,111 @@ def test_backend_selection():
         select_backend("magic", torch.device("cpu"), H, KVH, D, PAGE, torch.float32)
 
 
+class FakeFlashInfer:
+    """Stands in for the flashinfer module on a CPU: records every plan()/run() the backend makes and answers
+    with the PyTorch backend, so the arguments FlashInfer would get are checked without a GPU."""
+
+    def __init__(self):
+        self.calls = []
+
+        class Wrapper:
+            kind = None
+
+            def __init__(wrapper, workspace, kv_layout, **kwargs):
+                assert kv_layout == "NHD"
+                wrapper.options = kwargs
+                self.calls.append((wrapper.kind, "new", kwargs))
+
+            def plan(wrapper, *args, **kwargs):
+                self.calls.append((wrapper.kind, "plan", args, kwargs))
+                if wrapper.kind == "decode":
+                    indptr, indices, last = args[:3]
+                    qo = torch.arange(len(last) + 1, dtype=torch.int32)
+                else:
+                    qo, indptr, indices, last = args[:4]
+                    assert kwargs["causal"] is True
+                wrapper.csr = (qo, indptr, indices, last)
+                wrapper.kwargs = kwargs
+
+            def run(wrapper, q, kv):
+                self.calls.append((wrapper.kind, "run"))
+                window = wrapper.kwargs["window_left"] + 1 if wrapper.kwargs["window_left"] >= 0 else None
+                return torch_paged_attention(q, kv[0], kv[1], *wrapper.csr, wrapper.kwargs["sm_scale"], window)
+
+        self.BatchDecodeWithPagedKVCacheWrapper = type("Decode", (Wrapper,), {"kind": "decode"})
+        self.BatchPrefillWithPagedKVCacheWrapper = type("Prefill", (Wrapper,), {"kind": "prefill"})
+
+    def plans(self):
+        return [c for c in self.calls if c[1] == "plan"]
+
+
+def flashinfer_batch(new_tokens, heads=H, seed=0):
+    """A PagedBatch over the fake FlashInfer backend, its sequences' K/V written; returns (batch, backend, fake)."""
+    pool = make_pool()
+    fake = FakeFlashInfer()
+    backend = FlashInferBackend(torch.device("cpu"), heads, KVH, D, PAGE, torch.float32, module=fake)
+    seqs = [PagedSequence(pool) for _ in new_tokens]
+    for s, n in zip(seqs, (20, 35, 3)):
+        s.reserve(n + 1)
+        run_batch(pool, [s], [n], seed)
+    for s, n in zip(seqs, new_tokens):
+        s.reserve(s.length + n)
+    batch = PagedBatch(pool, seqs, new_tokens, backend)
+    g = torch.Generator().manual_seed(seed + 1)
+    for layer in (3, 4):  # the new positions' keys/values, as the layers write them before attending
+        batch.update(torch.randn(1, KVH, sum(new_tokens), D, generator=g),
+                     torch.randn(1, KVH, sum(new_tokens), D, generator=g), layer)
+    return batch, backend, fake
+
+
+@pytest.mark.parametrize("new_tokens, kind", [([1, 1, 1], "decode"), ([1, 5, 1], "prefill")])
+def test_flashinfer_gets_host_int32_indices_one_plan_per_batch_and_the_right_wrapper(new_tokens, kind):
+    batch, backend, fake = flashinfer_batch(new_tokens)
+    q = torch.randn(sum(new_tokens), H, D, generator=torch.Generator().manual_seed(4))
+    for layer in range(batch.pool.num_layers):
+        for _ in range(2):  # every layer of the forward pass reuses the plan
+            out = backend.run(q, batch.pool.k[layer], batch.pool.v[layer], batch, D ** -0.5)
+    plans = fake.plans()
+    assert len(plans) == 1 and plans[0][0] == kind
+    args, kwargs = plans[0][2], plans[0][3]
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    assert len(tensors) == (3 if kind == "decode" else 4)
+    assert all(t.dtype == torch.int32 and t.device.type == "cpu" for t in tensors)
+    last = tensors[-1]
+    assert ((last >= 1) & (last <= PAGE)).all()
+    assert args[len(tensors):] == (H, KVH, D, PAGE)
+    assert kwargs["sm_scale"] == D ** -0.5 and kwargs["window_left"] == -1
+    assert kwargs["q_data_type"] == kwargs["kv_data_type"] == torch.float32
+    reference = torch_paged_attention(q, batch.pool.k[1], batch.pool.v[1], batch.qo_indptr, batch.kv_indptr,
+                                      batch.kv_indices, batch.kv_last_page_len, D ** -0.5)
+    assert torch.isfinite(out).all() and torch.equal(out, reference)
+    # The next batch plans again, once.
+    batch.finish()
+    nxt = PagedBatch(batch.pool, batch.sequences, [1] * len(new_tokens), backend)
+    backend.run(q[:len(new_tokens)], batch.pool.k[0], batch.pool.v[0], nxt, D ** -0.5)
+    backend.run(q[:len(new_tokens)], batch.pool.k[1], batch.pool.v[1], nxt, D ** -0.5)
+    assert len(fake.plans()) == 2 and fake.plans()[1][0] == "decode"
+    with pytest.raises(RuntimeError, match="not planned"):
+        backend.run(q, batch.pool.k[0], batch.pool.v[0], batch, D ** -0.5)
+
+
+def test_flashinfer_window_layers_get_their_own_plan_and_tensor_cores_follow_the_group_size():
+    batch, backend, fake = flashinfer_batch([1, 1, 1])
+    q = torch.randn(3, H, D)
+    for layer, window in ((0, None), (1, 8), (0, None), (1, 8)):
+        out = backend.run(q, batch.pool.k[layer], batch.pool.v[layer], batch, D ** -0.5, window)
+    windows = sorted(p[3]["window_left"] for p in fake.plans())
+    assert windows == [-1, 7]  # window_left is inclusive: 8 keys = the query and the 7 before it
+    assert torch.equal(out, torch_paged_attention(q, batch.pool.k[1], batch.pool.v[1], batch.qo_indptr,
+                                                  batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len,
+                                                  D ** -0.5, 8))
+    created = [c[2] for c in fake.calls if c[:2] == ("decode", "new")]
+    assert created and all(c["use_tensor_cores"] is False for c in created)  # 3 query heads per KV head
+    batch8, backend8, fake8 = flashinfer_batch([1, 1, 1], heads=4 * KVH)
+    backend8.run(torch.randn(3, 4 * KVH, D), batch8.pool.k[0], batch8.pool.v[0], batch8, D ** -0.5)
+    assert [c[2]["use_tensor_cores"] for c in fake8.calls if c[:2] == ("decode", "new")] == [True]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashInfer runs on CUDA only")
 def test_flashinfer_matches_torch_backend():
     pytest.importorskip("flashinfer")
@@ -170,9 +351,13 @@ def test_flashinfer_matches_torch_backend():
     ref = torch_paged_attention(q, k_pages, v_pages, qo, kv_indptr, kv_indices, last, D ** -0.5)
     backend = select_backend("flashinfer", dev, H, KVH, D, PAGE, torch.float16)
 
-    class Batch:
-        qo_indptr, kv_indptr, kv_indices, kv_last_page_len = qo.to(dev), kv_indptr.to(dev), kv_indices.to(dev), last.to(dev)
+    class Pool:
+        page_size = PAGE
 
+    class Batch:
+        qo_indptr, kv_indptr, kv_indices, kv_last_page_len, pool = qo, kv_indptr, kv_indices, last, Pool
+
+    backend.plan(Batch)
     out = backend.run(q.half().to(dev), k_pages.half().to(dev), v_pages.half().to(dev), Batch, D ** -0.5)
     assert (out.float().cpu() - ref).abs().max() < 2e-2
 

@@ -220,6 +220,7 @@ class PagedBatch:
 
     def __init__(self, pool: PagePool, sequences: list[PagedSequence], new_tokens: list[int], backend):
         self.pool, self.sequences, self.new_tokens, self.backend = pool, sequences, new_tokens, backend
+        page = pool.page_size
         qo, kvp, indices, last, pages, offsets, positions = [0], [0], [], [], [], [], []
         for seq, n in zip(sequences, new_tokens):
             total = seq.length + n
@@ -228,19 +229,21 @@ class PagedBatch:
                 raise RuntimeError("pages must be reserved before a sequence joins a batch")
             indices += seq.pages[:used]
             kvp.append(kvp[-1] + used)
-            last.append(total - (used - 1) * pool.page_size)
+            last.append(total - (used - 1) * page)
             qo.append(qo[-1] + n)
-            p, o = seq.slots(seq.length, total)
-            pages.append(p)
-            offsets.append(o)
-            positions.append(torch.arange(seq.length, total))
+            pages += [seq.pages[t // page] for t in range(seq.length, total)]
+            offsets += [t % page for t in range(seq.length, total)]
+            positions += range(seq.length, total)
+        # The CSR description stays on the host (int32, as FlashInfer's plan() reads it there); only what the
+        # layers index with goes to the device, in one transfer each.
+        self.qo_indptr = torch.tensor(qo, dtype=torch.int32)
+        self.kv_indptr = torch.tensor(kvp, dtype=torch.int32)
+        self.kv_indices = torch.tensor(indices, dtype=torch.int32)
+        self.kv_last_page_len = torch.tensor(last, dtype=torch.int32)
         dev = pool.device
-        self.qo_indptr = torch.tensor(qo, dtype=torch.int32, device=dev)
-        self.kv_indptr = torch.tensor(kvp, dtype=torch.int32, device=dev)
-        self.kv_indices = torch.tensor(indices, dtype=torch.long, device=dev)
-        self.kv_last_page_len = torch.tensor(last, dtype=torch.int32, device=dev)
-        self.write_pages, self.write_offsets = torch.cat(pages), torch.cat(offsets)
-        self.positions = torch.cat(positions).to(dev).unsqueeze(0)
+        self.write_pages = torch.tensor(pages, dtype=torch.long).to(dev)
+        self.write_offsets = torch.tensor(offsets, dtype=torch.long).to(dev)
+        self.positions = torch.tensor(positions, dtype=torch.long).to(dev).unsqueeze(0)
         backend.plan(self)
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):

@@ -2,88 +2,313 @@
 
 Backends share FlashInfer's CSR description of a batch: `qo_indptr` splits the
 batch's query rows by sequence, `kv_indptr`/`kv_indices` list each sequence's
-pages, `kv_last_page_len` says how full its last page is. Each sequence's
-queries are its newest positions, so causality is offset by (kv_len - q_len).
-A sequence only ever reads the pages its own block table names.
+pages, `kv_last_page_len` (1..page_size) says how full its last page is. Each
+sequence's queries are its newest positions, so causality is offset by
+(kv_len - q_len). A sequence only ever reads the pages its own block table names.
+Both backends plan once per batch (on the host, from int32 CPU index arrays) and
+reuse the plan in every layer.
 
-* `torch`: plain PyTorch (gather the sequence's pages, SDPA); runs everywhere.
-* `flashinfer`: FlashInfer's BatchPrefillWithPagedKVCacheWrapper on CUDA.
+* `torch`: plain PyTorch, runs everywhere. Sequences with few new tokens (decode,
+  speculative verification) and short caches run together: one gather of their pages
+  into a padded [B, KVH, L, D] block, positions past each sequence's length zeroed,
+  one SDPA with a length/causal/window mask. Prefills and long caches (where the
+  attention itself outweighs a call's overhead) run one SDPA each.
+* `flashinfer`: FlashInfer's paged kernels on CUDA; the decode wrapper for
+  decode-only batches, the prefill (append) wrapper otherwise.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from infemeral.model.attention import attend
 
 log = logging.getLogger(__name__)
 
+MAX_PADDED_QUERY = 16       # sequences with at most this many new tokens share padded SDPAs...
+IN_PLACE_MIN_TOKENS = 256   # ...unless their cache is this long: then one SDPA each, over their exact length
+
+
+@dataclass
+class BatchShape:
+    """The CSR arrays of a batch as host lists, and what follows from them."""
+
+    qo_indptr: list[int]
+    kv_indptr: list[int]
+    kv_indices: list[int]
+    kv_last_page_len: list[int]
+    page_size: int
+
+    @classmethod
+    def from_csr(cls, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, page_size: int) -> "BatchShape":
+        shape = cls(*(torch.as_tensor(t).tolist() for t in (qo_indptr, kv_indptr, kv_indices, kv_last_page_len)),
+                    page_size)
+        shape.validate()
+        return shape
+
+    def validate(self) -> None:
+        n = self.num_sequences
+        if len(self.kv_indptr) != n + 1 or len(self.kv_last_page_len) != n:
+            raise ValueError("qo_indptr, kv_indptr and kv_last_page_len describe different numbers of sequences")
+        for i in range(n):
+            if not 1 <= self.kv_last_page_len[i] <= self.page_size:
+                raise ValueError(f"kv_last_page_len[{i}] = {self.kv_last_page_len[i]} is outside 1..{self.page_size}")
+            if self.kv_indptr[i + 1] <= self.kv_indptr[i]:
+                raise ValueError(f"sequence {i} has no pages")
+            if not 1 <= self.q_len(i) <= self.kv_len(i):
+                raise ValueError(f"sequence {i} has {self.q_len(i)} new tokens but {self.kv_len(i)} in its cache")
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.qo_indptr) - 1
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence adds exactly one token."""
+        return all(self.q_len(i) == 1 for i in range(self.num_sequences))
+
+    def q_len(self, i: int) -> int:
+        return self.qo_indptr[i + 1] - self.qo_indptr[i]
+
+    def num_pages(self, i: int) -> int:
+        return self.kv_indptr[i + 1] - self.kv_indptr[i]
+
+    def kv_len(self, i: int) -> int:
+        return (self.num_pages(i) - 1) * self.page_size + self.kv_last_page_len[i]
+
+    def pages(self, i: int) -> list[int]:
+        return self.kv_indices[self.kv_indptr[i]:self.kv_indptr[i + 1]]
+
+    def is_contiguous(self, i: int) -> bool:
+        pages = self.pages(i)
+        return pages == list(range(pages[0], pages[0] + len(pages)))
+
+
+# -- the PyTorch backend --------------------------------------------------------------------------
+@dataclass
+class PaddedGroup:
+    """Sequences of the same padded length and the same number of new tokens, attended in one SDPA.
+
+    Each sequence's page list is padded with its *own* last page (so no other session's
+    page is ever read); positions at or past its length are zeroed after the gather (the
+    pool is uninitialised memory, so even a sequence's own last page may hold NaN there)
+    and masked out of the scores. The padded length depends only on the sequence's own
+    length, and SDPA computes each batch row independently, so a session gets bit for
+    bit the same result whichever sessions share its batch (or none)."""
+
+    members: list[int]             # sequence indices in the batch
+    table: torch.Tensor            # [B, padded_pages] page ids
+    kv_lens: torch.Tensor          # [B]
+    min_kv_len: int
+    q_len: int                     # new tokens of every member
+    q_rows: torch.Tensor | None    # [B * q_len] rows of q (None: the whole batch, in order, one token each)
+    masks: dict = field(default_factory=dict)  # (window, group size) -> bool mask [B, 1, G * q_len, L]
+
+    def mask(self, window: int | None, group: int, length: int) -> torch.Tensor:
+        key = (window, group)
+        if key not in self.masks:
+            dev = self.kv_lens.device
+            key_pos = torch.arange(length, device=dev)                                            # [L]
+            query_pos = (self.kv_lens - self.q_len)[:, None] + torch.arange(self.q_len, device=dev)  # [B, n]
+            allowed = key_pos[None, None, :] <= query_pos[:, :, None]                             # causal, < length
+            if window is not None:
+                allowed &= key_pos[None, None, :] > query_pos[:, :, None] - window
+            self.masks[key] = allowed.repeat(1, group, 1).unsqueeze(1)                            # rows g * n + i
+        return self.masks[key]
+
+    def run(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, sm_scale: float,
+            window: int | None) -> torch.Tensor:
+        """q [T, H, D] -> the members' output rows [B * q_len, H, D], in member order."""
+        b, num_pages = self.table.shape
+        page, kvh, d = k_pages.shape[1:]
+        h, n = q.shape[1], self.q_len
+        g, length = h // kvh, num_pages * page
+        flat = self.table.flatten()
+        keys = k_pages.index_select(0, flat).view(b, length, kvh, d)
+        values = v_pages.index_select(0, flat).view(b, length, kvh, d)
+        if self.min_kv_len < length:  # zero everything past each sequence's length: garbage must not reach SDPA
+            pad = torch.arange(self.min_kv_len, length, device=flat.device)[None, :] >= self.kv_lens[:, None]
+            keys[:, self.min_kv_len:].masked_fill_(pad[:, :, None, None], 0)
+            values[:, self.min_kv_len:].masked_fill_(pad[:, :, None, None], 0)
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)                               # [B, KVH, L, D]
+        rows = q if self.q_rows is None else q.index_select(0, self.q_rows)                      # [B * n, H, D]
+        query = rows.view(b, n, h, d).transpose(1, 2).reshape(b, kvh, g * n, d)  # head kvh*g+j, row j*n+i
+        o = F.scaled_dot_product_attention(query, keys, values, attn_mask=self.mask(window, g, length),
+                                           scale=sm_scale)
+        return o.view(b, h, n, d).transpose(1, 2).reshape(b * n, h, d)
+
+
+class TorchPlan:
+    """How one batch is attended, worked out once and reused by every layer.
+
+    Where a sequence goes depends only on the sequence itself (never on who shares the
+    batch), which keeps batched outputs identical to solo ones: sequences with more than
+    MAX_PADDED_QUERY new tokens, or at least IN_PLACE_MIN_TOKENS of cache, get an SDPA of
+    their own over exactly their length (their pages read in place when contiguous); the
+    others are grouped by (padded length, new tokens) into padded batches."""
+
+    def __init__(self, shape: BatchShape, device: torch.device):
+        self.shape, self.device = shape, device
+        n = shape.num_sequences
+        self.singles = [i for i in range(n) if shape.q_len(i) > MAX_PADDED_QUERY
+                        or shape.kv_len(i) >= IN_PLACE_MIN_TOKENS]
+        keyed: dict[tuple[int, int], list[int]] = {}
+        single = set(self.singles)
+        for i in range(n):
+            if i not in single:
+                keyed.setdefault((self.padded_pages(shape.num_pages(i)), shape.q_len(i)), []).append(i)
+        self.groups = [self._group(members, pages) for (pages, _), members in sorted(keyed.items())]
+        self.whole_batch_is_one_group = (len(self.groups) == 1 and not self.singles
+                                         and self.groups[0].q_rows is None)
+
+    def padded_pages(self, num_pages: int) -> int:
+        """Round a sequence's page count up to a multiple of 32 tokens' worth: few distinct group shapes."""
+        step = max(1, 32 // self.shape.page_size)
+        return -(-num_pages // step) * step
+
+    def _group(self, members: list[int], num_pages: int) -> PaddedGroup:
+        s, dev = self.shape, self.device
+        table = [s.pages(i) + [s.pages(i)[-1]] * (num_pages - s.num_pages(i)) for i in members]
+        kv_lens = [s.kv_len(i) for i in members]
+        q_len = s.q_len(members[0])
+        q_rows = None
+        if not (members == list(range(s.num_sequences)) and q_len == 1):
+            q_rows = torch.tensor([s.qo_indptr[i] + j for i in members for j in range(q_len)], dtype=torch.long,
+                                  device=dev)
+        return PaddedGroup(members, torch.tensor(table, dtype=torch.long, device=dev),
+                           torch.tensor(kv_lens, dtype=torch.long, device=dev), min(kv_lens), q_len, q_rows)
+
+    def run(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, sm_scale: float,
+            sliding_window: int | None = None) -> torch.Tensor:
+        """q [T, H, D], pages [P, page_size, KVH, D] -> [T, H, D]."""
+        if self.whole_batch_is_one_group:
+            return self.groups[0].run(q, k_pages, v_pages, sm_scale, sliding_window)
+        out = torch.empty_like(q)
+        for group in self.groups:
+            out.index_copy_(0, group.q_rows, group.run(q, k_pages, v_pages, sm_scale, sliding_window))
+        for i in self.singles:
+            rows = slice(self.shape.qo_indptr[i], self.shape.qo_indptr[i + 1])
+            out[rows] = self._single(i, q[rows], k_pages, v_pages, sm_scale, sliding_window)
+        return out
+
+    def _single(self, i: int, q: torch.Tensor, k_pages, v_pages, sm_scale, sliding_window) -> torch.Tensor:
+        pages, kv_len = self.shape.pages(i), self.shape.kv_len(i)
+        first = pages[0]
+        if self.shape.is_contiguous(i):
+            k_run, v_run = k_pages[first:first + len(pages)], v_pages[first:first + len(pages)]  # a view, no copy
+        else:
+            index = torch.tensor(pages, dtype=torch.long, device=k_pages.device)
+            k_run, v_run = k_pages.index_select(0, index), v_pages.index_select(0, index)
+        k = k_run.flatten(0, 1)[:kv_len].transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
+        v = v_run.flatten(0, 1)[:kv_len].transpose(0, 1).unsqueeze(0)
+        return attend(q.transpose(0, 1).unsqueeze(0), k, v, sm_scale, sliding_window)[0]
+
 
 def torch_paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, qo_indptr: torch.Tensor,
                           kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor,
                           sm_scale: float, sliding_window: int | None = None) -> torch.Tensor:
-    """q [T, H, D], pages [P, page_size, KVH, D] -> [T, H, D]."""
-    page_size = k_pages.shape[1]
-    out = torch.empty_like(q)
-    qo, kvp = qo_indptr.tolist(), kv_indptr.tolist()
-    last = kv_last_page_len.tolist()
-    for i in range(len(qo) - 1):
-        pages = kv_indices[kvp[i]:kvp[i + 1]]
-        kv_len = (len(pages) - 1) * page_size + last[i]
-        first = int(pages[0])
-        if int(pages[-1]) - first == len(pages) - 1 and torch.equal(pages, torch.arange(first, first + len(pages),
-                                                                                        device=pages.device)):
-            k_run, v_run = k_pages[first:first + len(pages)], v_pages[first:first + len(pages)]  # a view, no copy
-        else:
-            k_run, v_run = k_pages.index_select(0, pages), v_pages.index_select(0, pages)
-        k = k_run.flatten(0, 1)[:kv_len].transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
-        v = v_run.flatten(0, 1)[:kv_len].transpose(0, 1).unsqueeze(0)
-        qi = q[qo[i]:qo[i + 1]].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-        out[qo[i]:qo[i + 1]] = attend(qi, k, v, sm_scale, sliding_window)[0]
-    return out
+    """q [T, H, D], pages [P, page_size, KVH, D] -> [T, H, D] (plans and runs one batch)."""
+    shape = BatchShape.from_csr(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, k_pages.shape[1])
+    return TorchPlan(shape, k_pages.device).run(q, k_pages, v_pages, sm_scale, sliding_window)
 
 
 class TorchBackend:
     name = "torch"
 
+    def __init__(self):
+        self._batch = self._plan = None
+
     def plan(self, batch) -> None:
-        pass
+        shape = BatchShape.from_csr(batch.qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len,
+                                    batch.pool.page_size)
+        self._batch, self._plan = batch, TorchPlan(shape, batch.pool.device)
 
     def run(self, q, k_pages, v_pages, batch, sm_scale, sliding_window=None):
-        return torch_paged_attention(q, k_pages, v_pages, batch.qo_indptr, batch.kv_indptr, batch.kv_indices,
-                                     batch.kv_last_page_len, sm_scale, sliding_window)
+        if batch is not self._batch:
+            raise RuntimeError("attention ran on a batch that was not planned")
+        return self._plan.run(q, k_pages, v_pages, sm_scale, sliding_window)
+
+
+# -- FlashInfer -------------------------------------------------------------------------------------
+def host_int32(values, pin: bool) -> torch.Tensor:
+    """An int32 CPU tensor (pinned on a CUDA machine): FlashInfer's plan() reads these on the host anyway,
+    so passing device tensors would cost a synchronising copy back every step."""
+    t = torch.as_tensor(values, dtype=torch.int32, device="cpu")
+    return t.pin_memory() if pin else t
 
 
 class FlashInferBackend:
-    """FlashInfer's batched prefill/append kernel over the paged pool (CUDA only)."""
+    """FlashInfer's paged kernels (CUDA only). One plan per batch (per sliding-window size), reused by every
+    layer: the decode wrapper when every sequence adds one token (tensor cores when >= 4 query heads share a
+    KV head), the prefill/append wrapper for anything else."""
 
     name = "flashinfer"
+    WORKSPACE_BYTES = 128 << 20
+    TENSOR_CORE_GROUP = 4
 
     def __init__(self, device: torch.device, num_qo_heads: int, num_kv_heads: int, head_dim: int,
-                 page_size: int, dtype: torch.dtype):
-        import flashinfer
+                 page_size: int, dtype: torch.dtype, module=None):
+        if module is None:
+            import flashinfer as module
+        self.fi, self.device, self.dtype = module, torch.device(device), dtype
+        self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size = (num_qo_heads, num_kv_heads, head_dim,
+                                                                               page_size)
+        self.use_tensor_cores = num_qo_heads // num_kv_heads >= self.TENSOR_CORE_GROUP
+        self.workspace = torch.empty(self.WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        self._wrappers: dict = {}  # (kind, window) -> wrapper; each holds its own plan
+        self._batch = self._shape = self._host = None
+        self._planned: set = set()
 
-        self.workspace = torch.empty(128 << 20, dtype=torch.uint8, device=device)
-        self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, kv_layout="NHD")
-        self.shape = (num_qo_heads, num_kv_heads, head_dim, page_size)
-        self.dtype = dtype
-        self._planned = None
+    def _wrapper(self, kind: str, window: int | None):
+        key = (kind, window)
+        if key not in self._wrappers:
+            if kind == "decode":
+                self._wrappers[key] = self.fi.BatchDecodeWithPagedKVCacheWrapper(
+                    self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores)
+            else:
+                self._wrappers[key] = self.fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        return self._wrappers[key]
 
     def plan(self, batch) -> None:
-        self._planned = None  # planned lazily: sm_scale and window come with the first layer's call
+        """Take the batch's index arrays to the host once; the kernels are planned at the first layer's call,
+        when the softmax scale and the layer's sliding window are known."""
+        shape = BatchShape.from_csr(batch.qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len,
+                                    self.page_size)
+        pin = self.device.type == "cuda"
+        self._batch, self._shape, self._planned = batch, shape, set()
+        self._host = {name: host_int32(getattr(shape, name), pin)
+                      for name in ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len")}
+
+    def kind(self) -> str:
+        return "decode" if self._shape.is_decode else "prefill"
+
+    def _plan(self, sm_scale: float, window: int | None):
+        kind, h = self.kind(), self._host
+        wrapper = self._wrapper(kind, window)
+        common = dict(window_left=(window - 1) if window else -1, sm_scale=sm_scale, q_data_type=self.dtype,
+                      kv_data_type=self.dtype)
+        if kind == "decode":
+            wrapper.plan(h["kv_indptr"], h["kv_indices"], h["kv_last_page_len"], self.num_qo_heads,
+                         self.num_kv_heads, self.head_dim, self.page_size, **common)
+        else:
+            wrapper.plan(h["qo_indptr"], h["kv_indptr"], h["kv_indices"], h["kv_last_page_len"], self.num_qo_heads,
+                         self.num_kv_heads, self.head_dim, self.page_size, causal=True, **common)
+        self._planned.add((window, sm_scale))
+        return wrapper
 
     def run(self, q, k_pages, v_pages, batch, sm_scale, sliding_window=None):
-        key = (id(batch), sm_scale, sliding_window)
-        if self._planned != key:
-            h, kvh, d, page = self.shape
-            self.wrapper.plan(batch.qo_indptr.int(), batch.kv_indptr.int(), batch.kv_indices.int(),
-                              batch.kv_last_page_len.int(), h, kvh, d, page, causal=True, sm_scale=sm_scale,
-                              window_left=(sliding_window - 1) if sliding_window else -1,
-                              q_data_type=self.dtype, kv_data_type=self.dtype)
-            self._planned = key
-        return self.wrapper.run(q, (k_pages, v_pages))
+        if batch is not self._batch:
+            raise RuntimeError("attention ran on a batch that was not planned")
+        window = sliding_window or None
+        if (window, sm_scale) in self._planned:
+            wrapper = self._wrapper(self.kind(), window)
+        else:
+            wrapper = self._plan(sm_scale, window)
+        return wrapper.run(q, (k_pages, v_pages))
 
 
 def select_backend(name: str, device: torch.device, num_qo_heads: int, num_kv_heads: int, head_dim: int,
