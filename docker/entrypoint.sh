@@ -3,6 +3,7 @@
 #
 #   entrypoint.sh [SERVER FLAGS...]    check the configuration, then exec infemeral-server FLAGS
 #   entrypoint.sh healthcheck [ARGS]   ask the local server's gRPC health service (exit 0: SERVING)
+#   entrypoint.sh gpu-check [ARGS]     prove the GPU path: FlashInfer, bfloat16 serving, throughput
 #   entrypoint.sh COMMAND [ARGS...]    run any other command as is (bash, infemeral-client, ...)
 #
 # Defaults: INFEMERAL_BUNDLE=/bundle, INFEMERAL_STORE=/store, INFEMERAL_LISTEN=0.0.0.0:50051.
@@ -36,6 +37,10 @@ case "${1:-}" in
         shift
         exec python3 "$here/healthcheck.py" "$@"
         ;;
+    gpu-check)
+        shift
+        exec python3 "$here/gpu_check.py" "$@"
+        ;;
     infemeral-server) shift ;;
     "" | -*) ;;
     *) exec "$@" ;;
@@ -52,6 +57,17 @@ export INFEMERAL_BUNDLE INFEMERAL_STORE INFEMERAL_LISTEN
 
 # A user without a writable home (`docker run --user 1234`) still needs a cache directory.
 if [[ ! -w ${HOME:-/nonexistent} ]]; then export HOME=${TMPDIR:-/tmp}; fi
+
+# FlashInfer compiles its CUDA kernels on first use and keeps them under
+# $FLASHINFER_WORKSPACE_BASE/.cache/flashinfer: on a volume, they are compiled only once.
+if [[ -n ${FLASHINFER_WORKSPACE_BASE:-} ]]; then
+    mkdir -p "$FLASHINFER_WORKSPACE_BASE" 2>/dev/null || true
+    if [[ ! -w $FLASHINFER_WORKSPACE_BASE ]]; then
+        warn "FLASHINFER_WORKSPACE_BASE=$FLASHINFER_WORKSPACE_BASE is not writable by uid $(id -u);" \
+            "attention kernels will be compiled into $HOME on every start instead."
+        export FLASHINFER_WORKSPACE_BASE=$HOME
+    fi
+fi
 
 # The settings the server will use: variables, overridden by flags.
 bundle=$INFEMERAL_BUNDLE

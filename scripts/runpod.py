@@ -231,6 +231,8 @@ def pod_env(server_name: str = SERVER_NAME) -> dict[str, str]:
         "INFEMERAL_DEVICE": "cuda",
         "INFEMERAL_LOG_FORMAT": "json",
         "INFEMERAL_METRICS_PORT": str(METRICS_PORT),
+        # FlashInfer's compiled kernels on the volume: compiled on the first start, reused after.
+        "FLASHINFER_WORKSPACE_BASE": base,
     }
 
 

@@ -52,3 +52,17 @@ def test_cli_refuses_an_unknown_section():
     out = subprocess.run([sys.executable, str(REPO / "scripts" / "bench.py"), "--only", "nonsense"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "--only takes" in out.stderr
+
+
+def test_gpu_check_says_clearly_when_there_is_no_gpu():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: run scripts/gpu_check.py itself")
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_check.py")], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "no CUDA device" in out.stdout and "RunPod" in out.stdout
+    help_text = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_check.py"), "--help"], capture_output=True,
+                               text=True, timeout=120)
+    assert help_text.returncode == 0 and "FlashInfer" in help_text.stdout

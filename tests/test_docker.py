@@ -78,6 +78,11 @@ def test_dockerfile_shape():
     env = ops["ENV"]
     for setting in ("INFEMERAL_BUNDLE=/bundle", "INFEMERAL_STORE=/store", "INFEMERAL_LISTEN=0.0.0.0:50051"):
         assert setting in env
+    # FlashInfer compiles kernels at run time: nvcc in the runtime image, and the kernel cache on a volume
+    base = next(a for op, a in instructions if op == "ARG" and a.startswith("CUDA_IMAGE="))
+    assert "-devel-" in base, "FlashInfer's first use needs nvcc: a CUDA devel base image"
+    assert "FLASHINFER_WORKSPACE_BASE=/kernel-cache" in env
+    assert any(op == "RUN" and "/kernel-cache" in a for op, a in final)
     # the files the image copies from the repository exist and are not excluded from the build context
     allowed = [line[1:].rstrip("/") for line in (REPO / ".dockerignore").read_text().splitlines()
                if line.startswith("!")]
@@ -127,6 +132,7 @@ def test_compose_file():
     assert redis["healthcheck"]["test"][-2:] == ["redis-cli", "ping"]
     assert "ports" not in redis, "Redis stays inside the compose network"
     assert "redis-data" in compose["volumes"]
+    assert mounts["/kernel-cache"]["source"] in compose["volumes"], "compiled kernels survive a restart"
 
 
 def test_compose_config_with_docker_cli(tmp_path):
@@ -167,7 +173,7 @@ if os.environ.get("FAKE_WAIT"):
     time.sleep(60)
     sys.exit(1)
 print(json.dumps({{"pid": os.getpid(), "argv": sys.argv[1:],
-                  "env": {{k: v for k, v in os.environ.items() if k.startswith("INFEMERAL_")}}}}))
+                  "env": {{k: v for k, v in os.environ.items() if k.startswith(("INFEMERAL_", "FLASHINFER_"))}}}}))
 """
 
 
@@ -299,6 +305,20 @@ def test_entrypoint_store_checks(fake_env, bundle, tmp_path):
     seen = started(*entrypoint(fake_env, INFEMERAL_BUNDLE=str(bundle), INFEMERAL_LISTEN="127.0.0.1:1",
                                INFEMERAL_STORE="redis://redis:6379/0"))
     assert seen["env"]["INFEMERAL_STORE"] == "redis://redis:6379/0"
+
+
+def test_entrypoint_kernel_cache(fake_env, bundle, tmp_path):
+    cache = tmp_path / "volume" / "kernels"
+    seen = started(*entrypoint(fake_env, INFEMERAL_BUNDLE=str(bundle), INFEMERAL_LISTEN="127.0.0.1:1",
+                               FLASHINFER_WORKSPACE_BASE=str(cache)))
+    assert seen["env"]["FLASHINFER_WORKSPACE_BASE"] == str(cache) and cache.is_dir()
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    proc, out, err = entrypoint(fake_env, INFEMERAL_BUNDLE=str(bundle), INFEMERAL_LISTEN="127.0.0.1:1",
+                                FLASHINFER_WORKSPACE_BASE=str(blocked / "kernels"))
+    seen = started(proc, out, err)
+    assert seen["env"]["FLASHINFER_WORKSPACE_BASE"] == fake_env["HOME"]
+    assert "not writable" in err and "compiled" in err
 
 
 def test_entrypoint_help_and_other_commands(fake_env):
@@ -490,6 +510,7 @@ def test_runpod_template_and_help():
     env = {e["key"]: e["value"] for e in t["env"]}
     assert t["imageName"] == "example/inf:1" and t["ports"] == "50051/tcp" and t["volumeMountPath"] == "/workspace"
     assert env["INFEMERAL_TLS_CERT"].startswith("/workspace/") and env["INFEMERAL_API_KEYS_FILE"]
+    assert env["FLASHINFER_WORKSPACE_BASE"].startswith("/workspace/")  # kernels compiled once, kept on the volume
     assert "INFEMERAL_ALLOW_PLAINTEXT" not in env
     for command in ([], ["pack"], ["credentials"], ["template"]):
         result = run_runpod(*command, "--help")

@@ -248,7 +248,8 @@ class FlashInferBackend:
 
     name = "flashinfer"
     WORKSPACE_BYTES = 128 << 20
-    TENSOR_CORE_GROUP = 4
+    TENSOR_CORE_GROUP = 4                       # query heads per KV head from which tensor cores pay off
+    CUDA_CORE_GROUPS = (1, 2, 3, 4, 6, 8, 16)  # group sizes the CUDA-core decode kernel is built for
 
     def __init__(self, device: torch.device, num_qo_heads: int, num_kv_heads: int, head_dim: int,
                  page_size: int, dtype: torch.dtype, module=None):
@@ -257,7 +258,8 @@ class FlashInferBackend:
         self.fi, self.device, self.dtype = module, torch.device(device), dtype
         self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size = (num_qo_heads, num_kv_heads, head_dim,
                                                                                page_size)
-        self.use_tensor_cores = num_qo_heads // num_kv_heads >= self.TENSOR_CORE_GROUP
+        group = num_qo_heads // num_kv_heads
+        self.use_tensor_cores = group >= self.TENSOR_CORE_GROUP or group not in self.CUDA_CORE_GROUPS
         self.workspace = torch.empty(self.WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self._wrappers: dict = {}  # (kind, window) -> wrapper; each holds its own plan
         self._batch = self._shape = self._host = None

