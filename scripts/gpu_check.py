@@ -150,7 +150,7 @@ def check_model(tmp: Path) -> list[Check]:
     from infemeral.cloak.prepare import prepare
     from infemeral.cloak.sources import ModelSource, default_gguf_path
     from infemeral.config import ServerSettings
-    from infemeral.eval.agreement import MAX_MARGIN, MIN_TOP1_RATE, teacher_forced_agreement
+    from infemeral.eval.serving_precision import MAX_MARGIN, MIN_TOP1_RATE, teacher_forced_agreement
     from infemeral.server.app import Server
 
     try:

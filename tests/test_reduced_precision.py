@@ -2,7 +2,7 @@
 
 Exact equality is not expected (the rotated weights round differently), so the split system's greedy
 tokens are teacher-forced through plain transformers in the same dtype and compared position by position
-(infemeral/eval/agreement.py). Measured on the default model over 2 x 256 tokens: bfloat16 96-97 % top-1,
+(infemeral/eval/serving_precision.py). Measured on the default model over 2 x 256 tokens: bfloat16 96-97 % top-1,
 largest margin at a divergence 0.25; float16 99.6 %, margin 0.03. A wrong basis or a broken cache gives a
 low rate and large margins.
 """
@@ -17,7 +17,7 @@ import torch
 from conftest import start_server
 from infemeral.client.sampling import SamplingParams
 from infemeral.client.sdk import Client
-from infemeral.eval.agreement import MAX_MARGIN, MIN_TOP1_RATE, teacher_forced_agreement
+from infemeral.eval.serving_precision import MAX_MARGIN, MIN_TOP1_RATE, teacher_forced_agreement
 
 pytestmark = pytest.mark.slow
 

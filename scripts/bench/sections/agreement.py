@@ -2,7 +2,7 @@
 
 Reduced precision cannot be token-identical (the rotated weights round differently), so it is measured:
 the split system's greedy tokens are teacher-forced through the plain model and compared position by
-position (infemeral/eval/agreement.py): top-1 agreement rate, first divergence, and the largest gap
+position (infemeral/eval/serving_precision.py): top-1 agreement rate, first divergence, and the largest gap
 between the plain model's logits for its own choice and the split system's at a divergence. The targets
 are the test suite's thresholds (tests/test_reduced_precision.py).
 """
@@ -35,7 +35,7 @@ class AgreementRow:
 
 
 def run(wb) -> Result:
-    from infemeral.eval.agreement import MAX_MARGIN, MIN_TOP1_RATE, teacher_forced_agreement
+    from infemeral.eval.serving_precision import MAX_MARGIN, MIN_TOP1_RATE, teacher_forced_agreement
 
     rows, targets = [], []
     for dtype in ("bfloat16", "float16"):

@@ -1,4 +1,4 @@
-"""How closely the split system follows plain transformers where exact equality is not expected.
+"""How closely the split system serving in bfloat16/float16 follows plain transformers in the same dtype.
 
 In bfloat16 or float16 the rotated weights round differently from the plain ones, so greedy outputs
 may part ways at near-ties (DESIGN.md §1). This measures that without letting one early divergence
