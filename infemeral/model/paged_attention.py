@@ -223,13 +223,16 @@ class TorchBackend:
         self._batch = self._plan = None
 
     def plan(self, batch) -> None:
-        shape = BatchShape.from_csr(batch.qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len,
-                                    batch.pool.page_size)
-        self._batch, self._plan = batch, TorchPlan(shape, batch.pool.device)
+        """Planned at the first layer's call, where the pool's page size and device are at hand."""
+        self._batch, self._plan = batch, None
 
     def run(self, q, k_pages, v_pages, batch, sm_scale, sliding_window=None):
         if batch is not self._batch:
             raise RuntimeError("attention ran on a batch that was not planned")
+        if self._plan is None:
+            shape = BatchShape.from_csr(batch.qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len,
+                                        k_pages.shape[1])
+            self._plan = TorchPlan(shape, k_pages.device)
         return self._plan.run(q, k_pages, v_pages, sm_scale, sliding_window)
 
 
