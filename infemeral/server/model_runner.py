@@ -55,4 +55,7 @@ class ModelRunner:
         batch = PagedBatch(self.pool, caches, [h.shape[0] for h in hidden], self.backend)
         out = self.layers.forward_batch(torch.cat([h.to(self.dtype) for h in hidden]), batch)  # [sum n_i, d]
         ends = batch.qo_indptr.tolist()[1:]
-        return [out[end - k:end].to("cpu") for end, k in zip(ends, num_outputs)]
+        rows = [row for end, k in zip(ends, num_outputs) for row in range(end - k, end)]
+        # One copy to the host for the whole batch: on a GPU each copy waits for the device.
+        answers = out.index_select(0, torch.tensor(rows, device=out.device)).to("cpu")
+        return [a.clone() for a in answers.split(num_outputs)]  # each session's rows in a tensor of its own
