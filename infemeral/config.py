@@ -35,6 +35,9 @@ class ServerSettings(BaseSettings):
                                                           "RESOURCE_EXHAUSTED")
     attention_backend: str = Field("auto", description="auto, torch or flashinfer (auto: FlashInfer on CUDA "
                                                        "when installed)")
+    max_batch_hold: float = Field(0.0, ge=0, description="seconds a forward pass may wait for sessions about to "
+                                                         "send their next step, so they share it (0: never wait; "
+                                                         "e.g. 0.05 to try)")
     workers: int = Field(32, ge=1, description="gRPC worker threads")
     verify_bundle: bool = Field(True, description="check the bundle's file hashes at start-up")
     grace_seconds: float = Field(10.0, ge=0, description="how long SIGTERM waits for open turns")
@@ -59,7 +62,8 @@ class ServerSettings(BaseSettings):
                             window=WindowPolicy(self.max_context, self.sink_tokens, self.page_size,
                                                 enabled=self.window),
                             kv_pool_tokens=self.kv_pool_tokens, max_batch_tokens=self.max_batch_tokens,
-                            admission_wait=self.admission_wait, attention_backend=self.attention_backend)
+                            admission_wait=self.admission_wait, attention_backend=self.attention_backend,
+                            max_batch_hold=self.max_batch_hold)
 
 
 class ClientSettings(BaseSettings):

@@ -27,7 +27,8 @@ PARAMS = SamplingParams(max_new_tokens=12)
 
 
 def test_sixteen_concurrent_clients_get_exactly_their_solo_tokens(bundles, tmp_path):
-    srv = start_server(bundles, tmp_path / "store")
+    # With batch holding on (the pacer): it may only change when a batch starts, never what anyone gets.
+    srv = start_server(bundles, tmp_path / "store", max_batch_hold=0.05)
     clients = [Client(f"127.0.0.1:{srv.port}", bundles.client_dir, timeout=300) for _ in range(4)]
     try:
         solo = [clients[0].new_session().chat(p, PARAMS).token_ids for p in PROMPTS]

@@ -126,3 +126,71 @@ def test_page_quota_of_a_turn():
     assert scheduler.quota_tokens(length=10, reserve_tokens=0) == WINDOW.max_context  # undeclared: a window
     assert scheduler.quota_tokens(length=20, reserve_tokens=100) == WINDOW.max_context  # never past a window
     assert scheduler.quota_tokens(length=0, reserve_tokens=1) == 1
+
+
+def two_cohorts(hold: float = 0.05):
+    pool, clock, _ = make(num_pages=64)
+    scheduler = Scheduler(WINDOW, torch.ones(1, dtype=torch.float64), 64, 1.0, clock, max_batch_hold=hold)
+    return clock, scheduler, [new_turn(pool, 8) for _ in range(4)], [new_turn(pool, 8) for _ in range(4)]
+
+
+def test_cohorts_merge_when_the_others_are_about_to_send_their_next_step():
+    clock, scheduler, a, b = two_cohorts()
+    for t in a:
+        scheduler.add(step(t, 1))
+    first = scheduler.schedule().batch
+    clock.now = 0.020
+    for t in b:  # B arrives while A's pass runs
+        scheduler.add(step(t, 1))
+    clock.now = 0.040
+    scheduler.ran(first, 0.040)
+    assert scheduler.hold_until() is None  # nothing learnt yet about A's clients: B runs at once
+    second = scheduler.schedule().batch
+    clock.now = 0.050
+    for t in a:  # A's clients took 10 ms
+        scheduler.add(step(t, 1))
+    clock.now = 0.080
+    scheduler.ran(second, 0.040)
+    assert scheduler.hold_until() is None  # nothing learnt about B's clients yet either
+    third = scheduler.schedule().batch
+    assert third == [s for s in third if s.turn in a] and len(third) == 4  # the half batches alternate
+    clock.now = 0.090
+    for t in b:  # B's clients took 10 ms too
+        scheduler.add(step(t, 1))
+    clock.now = 0.120
+    scheduler.ran(third, 0.040)
+    # Now B waits, and A (answered just now, 10 ms per client) is due within half a pass: hold for A.
+    until = scheduler.hold_until()
+    assert until is not None and 0.130 <= until <= 0.120 + 0.020
+    clock.now = 0.130
+    for t in a:
+        scheduler.add(step(t, 1))
+    assert scheduler.hold_until() is None  # everyone is here
+    assert len(scheduler.schedule().batch) == 8  # one pass for all eight
+
+
+def test_no_holding_for_far_away_turns_for_a_lone_session_or_when_turned_off():
+    for hold, client in ((0.05, 0.200), (0.0, 0.010)):  # a slow network; holding turned off
+        clock, scheduler, a, b = two_cohorts(hold)
+        for t in a + b:
+            scheduler.add(step(t, 1))
+        for _ in range(3):
+            batch = scheduler.schedule().batch
+            assert batch and scheduler.hold_until() is None
+            clock.now += 0.040
+            scheduler.ran(batch, 0.040)
+            clock.now += client
+            for s in batch:
+                scheduler.add(step(s.turn, 1))
+        wait_for = [s.turn for s in scheduler.waiting][:4]
+        scheduler.waiting = type(scheduler.waiting)(s for s in scheduler.waiting if s.turn in wait_for)
+        assert scheduler.hold_until() is None
+    pool, clock, _ = make()
+    lone = Scheduler(WINDOW, torch.ones(1, dtype=torch.float64), 64, 1.0, clock, max_batch_hold=0.05)
+    turn = new_turn(pool, 8)
+    for _ in range(3):
+        lone.add(step(turn, 1))
+        assert lone.hold_until() is None  # nobody else to wait for
+        clock.now += 0.040
+        lone.ran(lone.schedule().batch, 0.040)
+        clock.now += 0.010

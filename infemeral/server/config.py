@@ -18,6 +18,7 @@ class EngineConfig:
     max_batch_tokens: int = 8192         # most tokens one forward pass carries (at least one step)
     admission_wait: float = 10.0         # seconds a turn waits for KV pages before RESOURCE_EXHAUSTED
     attention_backend: str = "auto"      # auto, torch or flashinfer
+    max_batch_hold: float = 0.0          # seconds a batch may wait for sessions about to send a step (0: never)
 
     def __post_init__(self):
         if self.num_pages < -(-self.window.max_context // self.window.page_size):

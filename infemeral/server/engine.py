@@ -73,7 +73,7 @@ class Engine:
         self.persistence = SessionPersistence(store, bundle.fingerprint)
         self.runner = ModelRunner(bundle, self.config)
         self.scheduler = Scheduler(self.config.window, self.runner.inv_freq, self.config.batch_token_budget,
-                                   self.config.admission_wait)
+                                   self.config.admission_wait, max_batch_hold=self.config.max_batch_hold)
         self._stats = EngineStats()
         self._active: dict[bytes, Turn] = {}
         self._active_lock = threading.Condition()
@@ -278,12 +278,18 @@ class Engine:
     def _run(self) -> None:
         reason = SHUTTING_DOWN
         try:
-            while self._drain():
+            hold = None
+            while self._drain(hold):
+                hold = self.scheduler.hold_until()  # turns about to send their next step: let them join
+                if hold is not None:
+                    continue
                 schedule = self.scheduler.schedule()
                 for step in schedule.failed:
                     self._fail(step, step.error)
                 if schedule.batch:
+                    started = time.monotonic()
                     self._run_batch(schedule.batch)
+                    self.scheduler.ran(schedule.batch, time.monotonic() - started)
                 elif self.scheduler.num_waiting:
                     time.sleep(WAIT_POLL_SECONDS)  # only steps waiting for pages: let other turns free some
         except BaseException:
@@ -304,15 +310,17 @@ class Engine:
             for step in left:
                 self._fail(step, Unavailable(reason))
 
-    def _drain(self) -> bool:
-        """Hand the steps that arrived to the scheduler, blocking while there is nothing to do; False on stop."""
-        block = self.scheduler.num_waiting == 0
+    def _drain(self, until: float | None = None) -> bool:
+        """Hand the steps that arrived to the scheduler, blocking while there is nothing to do (or, with
+        `until`, until then or the next step); False on stop."""
+        block = self.scheduler.num_waiting == 0 or until is not None
         while True:
+            timeout = None if until is None else max(0.0, until - time.monotonic())
             try:
-                step = self._queue.get(block=block)
+                step = self._queue.get(block=block, timeout=timeout if block else None)
             except queue.Empty:
                 return True
-            block = False
+            block, until = False, None
             if step is None:
                 return False
             if step.future.set_running_or_notify_cancel():

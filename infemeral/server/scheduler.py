@@ -23,6 +23,7 @@ from typing import Any
 from infemeral.errors import Aborted, StatusError
 from infemeral.kvcache.paged import PoolExhausted
 from infemeral.kvcache.window import WindowPolicy, apply_window
+from infemeral.server.pacing import Pacer
 from infemeral.server.turn import Turn
 
 
@@ -45,6 +46,7 @@ class StepRequest:
     is_started: bool = False    # its window has slid; it cannot be undone
     waiting_since: float | None = None
     error: StatusError | None = None
+    arrived_at: float = 0.0
 
 
 @dataclass
@@ -55,13 +57,14 @@ class Schedule:
 
 class Scheduler:
     def __init__(self, window: WindowPolicy, inv_freq, max_batch_tokens: int, admission_wait: float,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, max_batch_hold: float = 0.0):
         self.window = window
         self.inv_freq = inv_freq  # pure RoPE angles for re-keying after an eviction (None without a window)
         self.max_batch_tokens = max_batch_tokens
         self.admission_wait = admission_wait
         self.clock = clock
         self.waiting: deque[StepRequest] = deque()
+        self.pacer = Pacer(max_batch_hold, clock)
 
     # -- turns -------------------------------------------------------------------------------------
     def quota_tokens(self, length: int, reserve_tokens: int) -> int:
@@ -77,7 +80,19 @@ class Scheduler:
         return len(self.waiting)
 
     def add(self, step: StepRequest) -> None:
+        step.arrived_at = self.clock()
+        self.pacer.arrived(step.turn)
         self.waiting.append(step)
+
+    def hold_until(self) -> float | None:
+        """When to run the waiting steps, if they should wait for turns about to send theirs (see pacing.py)."""
+        if not self.waiting:
+            return None
+        return self.pacer.hold_until([s.turn for s in self.waiting], min(s.arrived_at for s in self.waiting))
+
+    def ran(self, batch: list[StepRequest], seconds: float) -> None:
+        """A forward pass of `seconds` answered `batch`."""
+        self.pacer.answered([s.turn for s in batch], seconds)
 
     def schedule(self) -> Schedule:
         """First come, first served under the token budget (a batch always takes at least one step)."""
