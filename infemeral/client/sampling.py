@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+SPECULATE = ("ngram", "draft", "off")
+
 
 @dataclass
 class SamplingParams:
@@ -18,6 +20,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
+    speculate: str = "ngram"  # where drafts come from: "ngram", "draft" (a local draft model) or "off"
+    max_draft: int = 8        # most drafted tokens per step (the adaptive length stays below it)
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -30,6 +34,10 @@ class SamplingParams:
             raise ValueError("top_k must be >= 0")
         if self.repetition_penalty <= 0:
             raise ValueError("repetition_penalty must be > 0")
+        if self.speculate not in SPECULATE:
+            raise ValueError(f"speculate must be one of {', '.join(SPECULATE)}, not {self.speculate!r}")
+        if self.max_draft < 0:
+            raise ValueError("max_draft must be >= 0")
 
 
 class Sampler:
@@ -43,15 +51,27 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, context_ids: list[int]) -> int:
         """Pick the next token from a [vocab] logits vector."""
+        if self.params.temperature == 0:
+            return int(torch.argmax(self.penalized(logits, context_ids)))
+        probs = self.probabilities(logits, context_ids)
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+    def penalized(self, logits: torch.Tensor, context_ids: list[int]) -> torch.Tensor:
+        """The logits after the repetition penalty (a float copy; the input is not modified)."""
         p = self.params
         logits = logits.float().clone()
         if p.repetition_penalty != 1.0 and context_ids:
             ids = torch.tensor(sorted(set(context_ids)), dtype=torch.long)
             seen = logits[ids]
             logits[ids] = torch.where(seen < 0, seen * p.repetition_penalty, seen / p.repetition_penalty)
+        return logits
+
+    def probabilities(self, logits: torch.Tensor, context_ids: list[int]) -> torch.Tensor:
+        """The distribution a sampled token is drawn from (temperature > 0): penalty, temperature, top-k, top-p."""
+        p = self.params
         if p.temperature == 0:
-            return int(torch.argmax(logits))
-        logits = logits / p.temperature
+            raise ValueError("greedy decoding has no sampling distribution")
+        logits = self.penalized(logits, context_ids) / p.temperature
         if p.top_k > 0:
             kth = torch.topk(logits, min(p.top_k, logits.numel())).values[-1]
             logits[logits < kth] = float("-inf")
@@ -60,5 +80,4 @@ class Sampler:
             cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
             drop = cumulative - torch.softmax(sorted_logits, dim=-1) >= p.top_p  # keep the first token always
             logits[order[drop]] = float("-inf")
-        probs = torch.softmax(logits, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        return torch.softmax(logits, dim=-1)

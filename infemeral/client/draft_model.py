@@ -1,0 +1,123 @@
+"""A small local model that drafts for the big remote one (`--speculate draft --draft-model PATH`).
+
+For open-ended text the conversation rarely holds the next words, so n-gram
+drafts seldom hit; a small model of the same family often guesses them. It
+runs entirely on the client (it sees the plain text, like the tokenizer does),
+greedily, with its own KV cache kept in step with the conversation: each
+proposal feeds only the tokens it has not seen and forgets its rejected guesses.
+
+Drafts are token ids, so the draft model must use exactly the target's
+tokenizer; anything else is refused before the first token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from infemeral.errors import FailedPrecondition
+
+
+def tokenizer_mismatch(target, draft) -> str | None:
+    """Why token ids of `draft` would mean something else under `target`, or None if they agree."""
+    a, b = target.get_vocab(), draft.get_vocab()
+    if a != b:
+        only_a, only_b = len(a.keys() - b.keys()), len(b.keys() - a.keys())
+        moved = sum(1 for t in a.keys() & b.keys() if a[t] != b[t])
+        return (f"vocabularies differ ({len(a)} vs {len(b)} tokens; {only_a} only in the model's, {only_b} only in "
+                f"the draft model's, {moved} with different ids)")
+    for name in ("bos_token_id", "eos_token_id", "unk_token_id"):
+        if getattr(target, name, None) != getattr(draft, name, None):
+            return f"special tokens differ ({name}: {getattr(target, name, None)} vs {getattr(draft, name, None)})"
+    if sorted(map(str, target.all_special_tokens)) != sorted(map(str, draft.all_special_tokens)):
+        return "special tokens differ"
+    return None
+
+
+def check_same_tokenizer(target, draft, where: str = "the draft model") -> None:
+    problem = tokenizer_mismatch(target, draft)
+    if problem:
+        raise FailedPrecondition(f"{where} does not use this model's tokenizer: {problem}. A draft model must share "
+                                 "the tokenizer exactly (same family, e.g. a smaller model of the same series); "
+                                 "use --speculate ngram instead")
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32):
+    """A causal LM and its tokenizer from a local directory or .gguf file ('default': the packaged SmolLM2)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from infemeral.cloak.sources import DEFAULT_MODEL, default_gguf_path
+
+    path = default_gguf_path() if str(path) == DEFAULT_MODEL else Path(path).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"draft model not found: {path} (give a local model directory or .gguf file)")
+    if path.suffix == ".gguf":
+        kwargs = dict(gguf_file=path.name)
+        path = path.parent
+    elif path.is_dir():
+        kwargs = dict(local_files_only=True)
+    else:
+        raise ValueError(f"{path} is neither a model directory nor a .gguf file")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+    return model, tokenizer
+
+
+class DraftModel:
+    """Greedy drafts from a small causal LM run on the client."""
+
+    name = "draft"
+    is_free = False  # every draft token is a forward pass of the draft model
+
+    def __init__(self, model, tokenizer=None, target_tokenizer=None):
+        if tokenizer is not None and target_tokenizer is not None:
+            check_same_tokenizer(target_tokenizer, tokenizer)
+        self.model = model.eval()
+        self.max_positions = getattr(model.config, "max_position_embeddings", None) or 1 << 30
+        self._cache = None
+        self._seen: list[int] = []  # the tokens whose keys/values are in the cache, in order
+
+    @classmethod
+    def load(cls, path: str | Path, target_tokenizer, dtype: torch.dtype = torch.float32) -> "DraftModel":
+        model, tokenizer = load_model(path, dtype)
+        return cls(model, tokenizer, target_tokenizer)
+
+    @torch.inference_mode()
+    def propose(self, context_ids: Sequence[int], max_draft: int) -> list[int]:
+        if max_draft <= 0 or not context_ids or len(context_ids) + max_draft > self.max_positions:
+            return []
+        logits = self._feed(list(context_ids))
+        draft: list[int] = []
+        for i in range(max_draft):
+            token = int(logits.argmax())
+            draft.append(token)
+            if i + 1 < max_draft:
+                logits = self._forward([token])
+        return draft
+
+    def _feed(self, context: list[int]) -> torch.Tensor:
+        """Bring the cache to `context` minus its last token, run that token; logits after it."""
+        from transformers import DynamicCache
+
+        keep = 0
+        for a, b in zip(self._seen, context[:-1]):
+            if a != b:
+                break
+            keep += 1
+        if keep < len(self._seen) and keep > 0:
+            try:
+                self._cache.crop(keep - len(self._seen))  # a negative count: drop that many from the end
+                self._seen = self._seen[:keep]
+            except (ValueError, RuntimeError):  # e.g. a sliding-window cache past its window: start over
+                keep = 0
+        if self._cache is None or keep == 0:
+            self._cache, self._seen, keep = DynamicCache(), [], 0
+        return self._forward(context[keep:])
+
+    def _forward(self, ids: list[int]) -> torch.Tensor:
+        out = self.model(torch.tensor([ids]), past_key_values=self._cache, use_cache=True)
+        self._cache = out.past_key_values
+        self._seen += ids
+        return out.logits[0, -1]

@@ -1,0 +1,87 @@
+"""The optional local draft model: greedy drafts, a cache kept in step with the conversation, and the
+refusal of a model whose tokenizer differs from the target's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+
+from infemeral.client.draft_model import DraftModel, check_same_tokenizer, tokenizer_mismatch
+from infemeral.errors import FailedPrecondition
+
+WORDS = [f"w{i}" for i in range(29)]
+
+
+def tiny_tokenizer(words=WORDS, eos="</s>"):
+    vocab = {w: i for i, w in enumerate(["<unk>", "<s>", "</s>"] + list(words))}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token=eos)
+
+
+def tiny_model(seed: int = 0):
+    torch.manual_seed(seed)
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=32, max_position_embeddings=128, initializer_range=0.2)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def greedy(model, context, n):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([context]), attention_mask=torch.ones(1, len(context), dtype=torch.long),
+                             max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=None)
+    return out[0, len(context):].tolist()
+
+
+def test_same_tokenizer_is_accepted():
+    assert tokenizer_mismatch(tiny_tokenizer(), tiny_tokenizer()) is None
+    check_same_tokenizer(tiny_tokenizer(), tiny_tokenizer())
+
+
+@pytest.mark.parametrize("other, match", [
+    (lambda: tiny_tokenizer(WORDS[:-1] + ["other"]), "vocabularies differ"),
+    (lambda: tiny_tokenizer(list(reversed(WORDS))), "different ids"),
+    (lambda: tiny_tokenizer(eos="<s>"), "special tokens differ"),
+])
+def test_a_different_tokenizer_is_refused_with_a_clear_message(other, match):
+    assert match in tokenizer_mismatch(tiny_tokenizer(), other())
+    with pytest.raises(FailedPrecondition, match="does not use this model's tokenizer") as info:
+        check_same_tokenizer(tiny_tokenizer(), other())
+    assert match in str(info.value) and "--speculate ngram" in str(info.value)
+
+
+def test_drafts_are_the_draft_models_greedy_continuation():
+    model = tiny_model()
+    drafter = DraftModel(model)
+    context = [5, 9, 3, 17, 4]
+    assert drafter.propose(context, 6) == greedy(model, context, 6)
+    assert drafter.propose(context, 0) == []
+
+
+def test_the_cache_follows_accepted_and_rejected_drafts():
+    """Proposals after the conversation moved on (some drafts kept, some rejected) equal those of a fresh
+    draft model that sees the whole context at once."""
+    model = tiny_model(1)
+    drafter = DraftModel(model)
+    context = [5, 9, 3, 17, 4]
+    drafts = drafter.propose(context, 4)
+    for step in range(6):
+        kept = drafts[: step % 3]  # 0, 1 or 2 drafts accepted, then a token of the target's own
+        context = context + kept + [(7 * step + 3) % 32]
+        drafts = drafter.propose(context, 4)
+        assert drafts == DraftModel(model).propose(context, 4) == greedy(model, context, 4)
+    assert drafter.propose(context[:3], 2) == greedy(model, context[:3], 2)  # a rewind (edited transcript)
+
+
+def test_load_checks_the_tokenizer(tmp_path):
+    model, tokenizer = tiny_model(), tiny_tokenizer()
+    model.save_pretrained(tmp_path / "draft")
+    tokenizer.save_pretrained(tmp_path / "draft")
+    drafter = DraftModel.load(tmp_path / "draft", target_tokenizer=tiny_tokenizer())
+    assert drafter.propose([5, 6, 7], 3) == greedy(model, [5, 6, 7], 3)
+    with pytest.raises(FailedPrecondition, match="vocabularies differ"):
+        DraftModel.load(tmp_path / "draft", target_tokenizer=tiny_tokenizer(WORDS[:-1] + ["other"]))
+    with pytest.raises(FileNotFoundError, match="draft model not found"):
+        DraftModel.load(tmp_path / "missing", target_tokenizer=tokenizer)

@@ -1,0 +1,121 @@
+"""Draft sources: prompt lookup over the conversation, the answer index over earlier answers."""
+
+from __future__ import annotations
+
+import stat
+
+import numpy as np
+
+from infemeral.client.drafting import AnswerIndex, DraftSource, FirstOf, PromptLookup, suffix_matches
+
+
+def test_prompt_lookup_copies_what_followed_the_last_tokens():
+    passage = [10, 11, 12, 13, 14, 15, 16, 17]
+    context = [1, 2] + passage + [3, 4] + passage[:3]  # the answer has started to copy the passage
+    assert PromptLookup().propose(context, 4) == [13, 14, 15, 16]
+    assert PromptLookup().propose(context, 10) == [13, 14, 15, 16, 17, 3, 4, 10, 11, 12]
+    assert PromptLookup().propose(context, 0) == []
+
+
+def test_prompt_lookup_needs_min_match_tokens():
+    context = [5, 6, 7, 8, 9, 1, 7]  # only the last token (7) occurred before
+    assert PromptLookup(min_match=2).propose(context, 3) == []
+    assert PromptLookup(min_match=1).propose(context, 3) == [8, 9, 1]
+    assert PromptLookup().propose([], 3) == [] and PromptLookup().propose([4], 3) == []
+
+
+def test_prompt_lookup_prefers_the_longest_match():
+    # "8 2 3" was followed by 50 51, "9 2 3" by 60 61; the context ends with "9 2 3".
+    context = [8, 2, 3, 50, 51, 0, 9, 2, 3, 60, 61, 0, 7, 9, 2, 3]
+    assert PromptLookup().propose(context, 2) == [60, 61]
+    # With only "2 3" to go on, both continuations match; the tie goes to the most recent.
+    assert PromptLookup(max_match=2).propose(context[:-3] + [2, 3], 2) == [60, 61]
+
+
+def test_prompt_lookup_follows_the_majority_and_stops_where_matches_disagree():
+    context = [0, 1, 2, 40, 41, 0, 1, 2, 40, 41, 0, 1, 2, 30, 31, 0, 1, 2]
+    assert PromptLookup().propose(context, 2) == [40, 41]  # two of three matches go on with 40 41
+    # After "0 1 2" both matches go on with 40, then part ways (6 or 7): half the support each.
+    split = [1, 2, 40, 5, 0, 1, 2, 40, 6, 0, 1, 2, 40, 7, 0, 1, 2]
+    assert PromptLookup(min_support=0.6).propose(split, 3) == [40]
+    assert PromptLookup(min_support=0.5).propose(split, 3) == [40, 7, 0]  # a tie goes to the most recent
+
+
+def test_suffix_matches_reports_positions_and_length():
+    corpus = np.array([4, 5, 6, 4, 5, 7, 5, 6])
+    ends, length = suffix_matches(corpus, np.array([9, 4, 5]), min_match=1, max_match=3, limit=10)
+    assert length == 2 and ends.tolist() == [1, 4]
+    ends, length = suffix_matches(corpus, np.array([5]), min_match=1, max_match=3, limit=1)
+    assert ends.tolist() == [6]  # only the most recent, and never the last position (nothing follows it)
+    assert suffix_matches(corpus, np.array([8, 9]), min_match=1, max_match=3, limit=10)[1] == 0
+
+
+def test_sources_share_one_interface():
+    for source in (PromptLookup(), AnswerIndex(), FirstOf(PromptLookup(), AnswerIndex())):
+        assert isinstance(source, DraftSource)
+        assert source.is_free
+
+
+def test_answer_index_drafts_from_earlier_answers(tmp_path):
+    index = AnswerIndex(tmp_path / "answers.tokens")
+    assert index.propose([1, 2, 3], 4) == []
+    index.add([100, 101, 102, 103, 104, 105])
+    index.add([7, 8, 9])
+    # A new conversation whose answer starts like an earlier one: the rest of that answer is drafted,
+    # and the draft stops at the end of that answer (never running into the next one).
+    assert index.propose([55, 56, 100, 101, 102], 8) == [103, 104, 105]
+    assert index.propose([1, 7, 8, 9], 8) == []  # nothing followed that answer
+    assert index.propose([3, 101, 102], 8) == []  # shorter than min_match=3
+
+
+def test_answer_index_is_an_owner_only_file_and_survives_a_restart(tmp_path):
+    path = tmp_path / "index" / "answers.tokens"
+    index = AnswerIndex(path)
+    index.add([100, 101, 102, 103, 104])
+    index.add([200, 201, 202, 203])
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    again = AnswerIndex(path)
+    assert again.num_tokens == 9
+    assert again.propose([100, 101, 102], 2) == [103, 104]
+    again.clear()
+    assert not path.exists() and again.propose([100, 101, 102], 2) == []
+    assert AnswerIndex(path).num_tokens == 0
+
+
+def test_answer_index_is_bounded_dropping_the_oldest_answers(tmp_path):
+    path = tmp_path / "answers.tokens"
+    index = AnswerIndex(path, max_tokens=12)
+    index.add([1, 2, 3, 4, 5])        # 6 with the separator
+    index.add([11, 12, 13, 14, 15])   # 12
+    assert index.num_tokens == 10
+    index.add([21, 22, 23])           # 16 > 12: the first answer goes, whole
+    assert index.num_tokens == 8
+    assert index.propose([1, 2, 3], 2) == []
+    assert index.propose([11, 12, 13], 2) == [14, 15]
+    assert AnswerIndex(path, max_tokens=12).corpus.tolist() == index.corpus.tolist()
+    assert path.stat().st_size == 4 * len(index.corpus)
+
+
+def test_answer_index_file_is_per_tokenizer(tmp_path):
+    class Vocab:
+        def __init__(self, words):
+            self.words = words
+            self.special_tokens_map = {"eos_token": "</s>"}
+
+        def get_vocab(self):
+            return {w: i for i, w in enumerate(self.words)}
+
+    a = AnswerIndex.for_tokenizer(tmp_path, Vocab(["a", "b", "</s>"]))
+    b = AnswerIndex.for_tokenizer(tmp_path, Vocab(["b", "a", "</s>"]))
+    assert a.path.parent == b.path.parent == tmp_path and a.path != b.path
+    assert AnswerIndex.for_tokenizer(tmp_path, Vocab(["a", "b", "</s>"])).path == a.path
+
+
+def test_first_of_uses_the_first_source_that_drafts(tmp_path):
+    index = AnswerIndex()
+    index.add([1, 2, 3, 90, 91])
+    both = FirstOf(PromptLookup(), index)
+    assert both.name == "ngram+answers"
+    assert both.propose([1, 2, 3], 2) == [90, 91]  # the conversation has nothing, the index has
+    assert both.propose([1, 2, 3, 80, 81, 1, 2, 3], 2) == [80, 81]  # the conversation comes first
