@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import typing
 
 from pydantic_settings import BaseSettings
 
@@ -21,6 +22,9 @@ def add_settings_flags(parser: argparse.ArgumentParser, settings_cls: type[BaseS
             parser.add_argument(flag, dest=name, default=None, action="append", help=help_text)
         elif field.annotation is bool:
             parser.add_argument(flag, dest=name, default=None, action=argparse.BooleanOptionalAction, help=help_text)
+        elif typing.get_origin(field.annotation) is typing.Literal:
+            parser.add_argument(flag, dest=name, default=None, choices=typing.get_args(field.annotation),
+                                help=help_text)
         else:
             parser.add_argument(flag, dest=name, default=None, help=help_text)
 

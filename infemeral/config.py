@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -88,10 +89,22 @@ class ClientSettings(BaseSettings):
     repetition_penalty: float = Field(1.0, gt=0, description="penalty for tokens already in the context (1: off)")
     seed: int | None = Field(None, description="random seed for reproducible sampling")
     stop: list[str] = Field(default_factory=list, description="stop strings; repeat the flag for several (env: a JSON list)")
+    speculate: Literal["ngram", "draft", "off"] = Field(
+        "ngram", description="speculative decoding: draft tokens from the conversation (ngram), also from a "
+                             "local draft model (draft, needs --draft-model), or off; the output is the same")
+    max_draft: int = Field(8, ge=0, description="most drafted tokens verified per round trip (the count adapts "
+                                                "below it)")
+    draft_model: Path | None = Field(None, description="local model directory or .gguf file that drafts for "
+                                                       "--speculate draft; must use the served model's tokenizer")
+    answer_index: bool = Field(True, description="remember this client's answers (token ids, in an owner-only "
+                                                 "file under --answer-index-dir) to draft from them later")
+    answer_index_dir: Path = Field(DATA_HOME / "answers", description="where the answer index is kept")
+    answer_index_tokens: int = Field(262_144, ge=1, description="most answer tokens the index keeps (oldest "
+                                                                "answers are forgotten first)")
 
     def sampling(self):
         from infemeral.client.sampling import SamplingParams
 
         return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_k=self.top_k,
                               top_p=self.top_p, repetition_penalty=self.repetition_penalty, stop=list(self.stop),
-                              seed=self.seed)
+                              seed=self.seed, speculate=self.speculate, max_draft=self.max_draft)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -33,15 +34,17 @@ def server_process(bundles, tmp_path_factory):
 def cli_env(bundles, server_process, tmp_path):
     # Configuration by environment variables, as on a laptop.
     return dict(os.environ, INFEMERAL_SERVER=server_process, INFEMERAL_CLIENT_BUNDLE=str(bundles.client_dir),
-                INFEMERAL_SESSIONS_DIR=str(tmp_path / "sessions"))
+                INFEMERAL_SESSIONS_DIR=str(tmp_path / "sessions"), INFEMERAL_ANSWER_INDEX_DIR=str(tmp_path / "answers"))
 
 
 def test_help_explains_commands():
     out = run_cli("--help").stdout
-    for command in ("prepare", "generate", "chat", "info", "delete"):
+    for command in ("prepare", "generate", "chat", "info", "delete", "forget-answers"):
         assert command in out
     gen = run_cli("generate", "--help").stdout
     assert "INFEMERAL_TEMPERATURE" in gen and "--max-new-tokens" in gen
+    assert "--speculate {ngram,draft,off}" in gen and "--max-draft" in gen and "--draft-model" in gen
+    assert "--no-answer-index" in gen
 
 
 def test_generate_streams_the_greedy_answer(cli_env, client):
@@ -50,7 +53,39 @@ def test_generate_streams_the_greedy_answer(cli_env, client):
     proc = run_cli("generate", question, "--max-new-tokens", 20, "--verbose", env=cli_env)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == expected.strip()
-    assert "tokens/s" in proc.stderr and "first token" in proc.stderr
+    assert "tokens/s" in proc.stderr and "first token" in proc.stderr and "tokens per round trip" in proc.stderr
+
+
+def test_speculation_flags_and_the_answer_index(cli_env, tmp_path):
+    passage = ("The lighthouse keeper climbed the spiral stairs every evening at six. He trimmed the wick, "
+               "polished the great lens until it shone, and wrote the weather in a leather book.")
+    question = f"Repeat the following passage exactly, word for word:\n\n{passage}"
+    off = run_cli("generate", question, "--max-new-tokens", 24, "--speculate", "off", "--verbose", env=cli_env)
+    on = run_cli("generate", question, "--max-new-tokens", 24, "--max-draft", 4, "--verbose", env=cli_env)
+    assert off.returncode == 0 and on.returncode == 0, off.stderr + on.stderr
+    assert on.stdout == off.stdout  # the same answer, in fewer round trips
+    per_trip = [float(re.search(r"([\d.]+) tokens per round trip", p.stderr).group(1)) for p in (off, on)]
+    assert per_trip[0] <= 1.0 < 2.0 < per_trip[1]
+    assert "drafts accepted" not in off.stderr and "drafts accepted" in on.stderr
+    # The answers went into an owner-only index (speculation off keeps nothing), which forget-answers clears.
+    files = list((tmp_path / "answers").glob("*.tokens"))
+    assert len(files) == 1 and (files[0].stat().st_mode & 0o777) == 0o600
+    generated = int(re.search(r"(\d+) generated", on.stderr).group(1))
+    assert files[0].stat().st_size == 4 * (generated + 1)  # the answer's tokens and a separator, as int32
+    forget = run_cli("forget-answers", env=cli_env)
+    assert forget.returncode == 0 and "forgot 1 answer index file" in forget.stdout
+    assert not files[0].exists()
+    assert run_cli("generate", "Hi", "--max-new-tokens", 2, "--no-answer-index", env=cli_env).returncode == 0
+    assert not list((tmp_path / "answers").glob("*.tokens"))
+
+
+def test_bad_speculation_flags_are_refused(cli_env, tmp_path):
+    proc = run_cli("generate", "hi", "--speculate", "draft", env=cli_env)
+    assert proc.returncode == 2 and "--draft-model" in proc.stderr
+    proc = run_cli("generate", "hi", "--speculate", "sometimes", env=cli_env)
+    assert proc.returncode == 2 and "invalid choice" in proc.stderr
+    proc = run_cli("generate", "hi", "--speculate", "draft", "--draft-model", tmp_path / "nowhere", env=cli_env)
+    assert proc.returncode == 2 and "draft model not found" in proc.stderr
 
 
 def test_info_reports_matching_bundle(cli_env):

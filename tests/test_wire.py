@@ -1,8 +1,9 @@
 """What actually crosses the wire, seen by a client-side gRPC interceptor.
 
 Only floating-point hidden states of shape [n, hidden_size] travel, only the
-turn's new tokens are sent, a decode step is one hidden vector plus framing,
-and what is sent is in the secret basis, not the model's plain residual stream.
+turn's new tokens are sent, a decode round trip carrying k drafts is k+1
+hidden vectors each way plus framing (one vector without drafts), and what is
+sent is in the secret basis, not the model's plain residual stream.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 # Every field a TurnRequest may carry, per message type; anything else is a leak.
 ALLOWED = {
     "infemeral.v1.TurnRequest": {"open", "step", "truncate", "commit"},
-    # turn ids are 16 random bytes naming a turn; reserve_tokens, evict and cache_length are counts, not token data
+    # turn ids are 16 random bytes naming a turn; reserve_tokens, evict, cache_length and outputs are counts,
+    # not token data
     "infemeral.v1.OpenTurn": {"session_id", "session_key", "expected_version", "bundle_fingerprint", "turn_id",
                               "pending_turn_id", "reserve_tokens"},
     "infemeral.v1.Step": {"hidden", "cache_length", "outputs", "evict"},
@@ -36,10 +38,12 @@ ALLOWED = {
 
 
 class TurnRecorder(grpc.StreamStreamClientInterceptor):
-    """Records every TurnRequest as the serialized bytes that go on the wire, one list per Turn call."""
+    """Records every TurnRequest and TurnResponse as the serialized bytes that cross the wire, one list
+    per Turn call each way."""
 
     def __init__(self):
         self.turns: list[list[bytes]] = []
+        self.replies: list[list[bytes]] = []
 
     def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
         method = client_call_details.method
@@ -47,24 +51,49 @@ class TurnRecorder(grpc.StreamStreamClientInterceptor):
         if not method.endswith("/Turn"):
             return continuation(client_call_details, request_iterator)
         sent: list[bytes] = []
+        received: list[bytes] = []
         self.turns.append(sent)
+        self.replies.append(received)
 
         def tap():
             for request in request_iterator:
                 sent.append(request.SerializeToString())
                 yield request
 
-        return continuation(client_call_details, tap())
+        return _RecordedCall(continuation(client_call_details, tap()), received)
+
+
+class _RecordedCall:
+    """The response stream, recording each response's bytes as the client reads it."""
+
+    def __init__(self, call, received: list[bytes]):
+        self._call, self._received = call, received
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        response = next(self._call)
+        self._received.append(response.SerializeToString())
+        return response
+
+    def __getattr__(self, name):
+        return getattr(self._call, name)
+
+
+PASSAGE = ("The lighthouse keeper climbed the spiral stairs every evening at six. He trimmed the wick, polished the "
+           "great lens until it shone, and wrote the weather in a leather book.")
 
 
 @pytest.fixture(scope="module")
 def recorded(server, bundles):
-    """A 2-turn chat through a client whose channel records every TurnRequest."""
+    """A 2-turn chat (the second quotes the first, so drafts are sent) through a client whose channel records
+    every TurnRequest and TurnResponse."""
     recorder = TurnRecorder()
     client = Client(f"127.0.0.1:{server.port}", bundles.client_dir, timeout=120, interceptors=[recorder])
     session = client.new_session()
     lengths, results = [], []
-    for question in ("Tell me a story about a lighthouse.", "What happened next?"):
+    for question in ("Tell me a story about a lighthouse.", f"Repeat this passage exactly:\n\n{PASSAGE}"):
         results.append(session.chat(question, SamplingParams(max_new_tokens=NEW_TOKENS)))
         lengths.append(len(session.history_ids))
     yield recorder, client, session, results, lengths
@@ -115,35 +144,57 @@ def test_only_turn_fields_and_float_hidden_states(recorded):
             assert values.is_floating_point()
             assert not torch.equal(values, values.round()), "hidden states look like integers (token ids?)"
             tensors += 1
-    assert tensors >= 2 * (NEW_TOKENS - 1)
+    assert tensors >= sum(r.round_trips for r in results)
 
 
-def test_decode_steps_are_one_vector_plus_framing(recorded):
+def test_decode_round_trips_stay_within_the_wire_budget(recorded):
+    """A round trip with k drafts costs at most (k+1)·2·d·bytes-per-element + 512 bytes (both ways, the
+    Truncate of rejected drafts that travels with the step included); one without drafts is byte for byte
+    the plain decode step: one vector, no `outputs`."""
     recorder, client, session, results, lengths = recorded
-    hidden = client.server_info().hidden_size
-    limit = 2 * hidden * 4 + 512
-    decode = [raw for turn in recorder.turns for raw in turn
-              if (r := pb.TurnRequest.FromString(raw)).WhichOneof("kind") == "step" and r.step.hidden.shape[0] == 1]
-    assert len(decode) >= 2 * (NEW_TOKENS - 1)  # every sampled token but the last of each turn
-    sizes = [len(raw) for raw in decode]
-    assert max(sizes) <= limit, f"a decode step is {max(sizes)} bytes on the wire, over {limit}"
-    assert min(sizes) >= hidden * 4  # and it really carries the hidden vector
+    hidden, itemsize = client.server_info().hidden_size, ITEMSIZE[client.server_info().dtype]
+    round_trips = drafted = 0
+    for sent, received, result in zip(recorder.turns, recorder.replies, results):
+        requests = [pb.TurnRequest.FromString(raw) for raw in sent]
+        replies = [pb.TurnResponse.FromString(raw) for raw in received]
+        assert len(replies) == len(requests)  # one reply per request, in order
+        step_at = [i for i, r in enumerate(requests) if r.WhichOneof("kind") == "step"]
+        for i in step_at[len(step_at) - (result.round_trips - 1):]:  # the decode steps, after the prompt's
+            step, k = requests[i].step, requests[i].step.hidden.shape[0] - 1
+            assert step.outputs == (k + 1 if k else 0)  # every position's output is asked for, or just the last
+            reply = replies[i]
+            assert reply.WhichOneof("kind") == "step" and reply.step.hidden.shape[0] == k + 1
+            truncate = len(sent[i - 1]) if requests[i - 1].WhichOneof("kind") == "truncate" else 0
+            truncated = len(received[i - 1]) if truncate else 0
+            wire = len(sent[i]) + len(received[i]) + truncate + truncated
+            assert wire <= (k + 1) * 2 * hidden * itemsize + 512, f"a round trip with {k} drafts took {wire} bytes"
+            assert len(sent[i]) >= (k + 1) * hidden * itemsize  # and it really carries the hidden vectors
+            round_trips += 1
+            drafted += k
+    assert round_trips >= 2 and drafted > 0  # plain steps and steps with drafts were both checked
+    assert drafted == sum(r.drafted_tokens for r in results)  # the results count what really went out
 
 
 def test_second_turn_sends_only_its_new_tokens(recorded):
     recorder, client, session, results, lengths = recorded
     turns = parsed(recorder)
     sent = [sum(s.hidden.shape[0] for s in steps(turn)) for turn in turns]
-    dropped = [sum(r.truncate.tokens for r in turn if r.WhichOneof("kind") == "truncate") for turn in turns]
-    assert dropped[0] == 0 and dropped[1] == results[1].truncated_tokens
-    # Turn 1 sends everything it stores; turn 2 only what it adds (plus any re-tokenised tail it replaced).
-    assert sent[0] == lengths[0]
-    assert sent[1] == lengths[1] - lengths[0] + dropped[1]
-    assert sent[1] == results[1].prompt_tokens + results[1].generated_tokens - (results[1].finish_reason == "length")
-    assert sent[1] < lengths[0]  # the history is not resent
-    assert sum(sent) == lengths[1] + dropped[1]
+    first_step = [next(i for i, r in enumerate(turn) if r.WhichOneof("kind") == "step") for turn in turns]
+    rewound = [sum(r.truncate.tokens for r in turn[:f] if r.WhichOneof("kind") == "truncate")
+               for turn, f in zip(turns, first_step)]
+    rejected = [sum(r.truncate.tokens for r in turn[f:] if r.WhichOneof("kind") == "truncate")
+                for turn, f in zip(turns, first_step)]
+    assert rewound[0] == 0 and rewound[1] == results[1].truncated_tokens
+    assert rejected[1] > 0 and rejected[1] >= results[1].drafted_tokens - results[1].accepted_drafts
+    # Turn 1 sends everything it stores; turn 2 only what it adds (plus any re-tokenised tail it replaced);
+    # rejected drafts are sent and dropped again.
+    assert sent[0] - rejected[0] == lengths[0]
+    assert sent[1] - rejected[1] == lengths[1] - lengths[0] + rewound[1]
+    assert sent[1] - rejected[1] == (results[1].prompt_tokens + results[1].generated_tokens
+                                     - (results[1].finish_reason == "length"))
+    assert sum(sent) - sum(rejected) == lengths[1] + rewound[1]  # the history is not resent
     first = steps(turns[1])[0]
-    assert first.cache_length == lengths[0] - dropped[1]
+    assert first.cache_length == lengths[0] - rewound[1]
 
 
 def test_hidden_states_are_rotated_not_plain(recorded, reference):
@@ -153,7 +204,8 @@ def test_hidden_states_are_rotated_not_plain(recorded, reference):
     model, _ = reference
     turn = parsed(recorder)[0]
     hidden = client.server_info().hidden_size
-    sent = torch.cat([from_proto(s.hidden, hidden, 1 << 20) for s in steps(turn)])
+    prompt_steps = steps(turn)[:len(steps(turn)) - (results[0].round_trips - 1)]  # not the drafts' steps
+    sent = torch.cat([from_proto(s.hidden, hidden, 1 << 20) for s in prompt_steps])
     ids = session.history_ids[:sent.shape[0]]
     with torch.no_grad():
         out = model(torch.tensor([ids]), output_hidden_states=True)

@@ -15,6 +15,7 @@ from infemeral.errors import InfemeralError
 CONNECTION = ("server", "client_bundle", "timeout", "tls_ca", "tls_client_cert", "tls_client_key", "tls_server_name",
               "api_key")
 SAMPLING = ("max_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "seed", "stop")
+SPECULATION = ("speculate", "max_draft", "draft_model", "answer_index", "answer_index_dir", "answer_index_tokens")
 
 EPILOG = """\
 first steps:
@@ -32,7 +33,10 @@ def _connection_and_sampling(parser: argparse.ArgumentParser) -> None:
     add_settings_flags(parser, ClientSettings, CONNECTION)
     group = parser.add_argument_group("sampling")
     add_settings_flags(group, ClientSettings, SAMPLING)
-    parser.add_argument("-v", "--verbose", action="store_true", help="print timings and token counts to stderr")
+    group = parser.add_argument_group("speculative decoding (several tokens per round trip; same output)")
+    add_settings_flags(group, ClientSettings, SPECULATION)
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="print timings, token counts and tokens per round trip to stderr")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,6 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("info", help="show what the server serves")
     add_settings_flags(i, ClientSettings, CONNECTION)
 
+    f = sub.add_parser("forget-answers", help="clear the answer index (earlier answers kept for drafting)",
+                       description="Delete the answer index: the token ids of earlier answers this client keeps "
+                                   "on this machine to draft from (see --answer-index). Turn it off for good with "
+                                   "--no-answer-index or INFEMERAL_ANSWER_INDEX=false.")
+    add_settings_flags(f, ClientSettings, ("answer_index_dir",))
+
     d = sub.add_parser("delete", help="delete a saved session here and on the server")
     d.add_argument("--session", required=True, help="name of the saved session")
     add_settings_flags(d, ClientSettings, CONNECTION + ("sessions_dir",))
@@ -102,18 +112,36 @@ def cmd_prepare(args) -> int:
 
 
 def _client(settings: ClientSettings):
+    from infemeral.client.drafting import AnswerIndex
     from infemeral.client.sdk import Client
 
-    return Client(settings.server, settings.client_bundle, timeout=settings.timeout, tls_ca=settings.tls_ca,
-                  tls_client_cert=settings.tls_client_cert, tls_client_key=settings.tls_client_key,
-                  tls_server_name=settings.tls_server_name, api_key=settings.api_key)
+    if settings.speculate == "draft" and settings.draft_model is None:
+        raise InfemeralError("--speculate draft needs --draft-model PATH (a small local model with the served "
+                             "model's tokenizer)")
+    client = Client(settings.server, settings.client_bundle, timeout=settings.timeout, tls_ca=settings.tls_ca,
+                    tls_client_cert=settings.tls_client_cert, tls_client_key=settings.tls_client_key,
+                    tls_server_name=settings.tls_server_name, api_key=settings.api_key)
+    try:
+        if settings.speculate != "off" and settings.answer_index:
+            client.answer_index = AnswerIndex.for_tokenizer(settings.answer_index_dir, client.tokenizer,
+                                                            max_tokens=settings.answer_index_tokens)
+        if settings.speculate == "draft":
+            from infemeral.client.draft_model import DraftModel
+
+            client.draft_model = DraftModel.load(settings.draft_model, client.tokenizer)
+    except BaseException:
+        client.close()
+        raise
+    return client
 
 
 def _report(result, verbose: bool) -> None:
     if verbose:
+        drafts = f" ({result.accepted_drafts} of {result.drafted_tokens} drafts accepted)" if result.drafted_tokens else ""
         print(f"[{result.prompt_tokens} prompt tokens, {result.generated_tokens} generated, "
               f"finish={result.finish_reason}, first token {result.time_to_first_token:.2f}s, "
-              f"{result.tokens_per_second:.1f} tokens/s, session version {result.version}]", file=sys.stderr)
+              f"{result.tokens_per_second:.1f} tokens/s, {result.tokens_per_round_trip:.2f} tokens per round trip"
+              f"{drafts}, session version {result.version}]", file=sys.stderr)
         if result.evicted_tokens:
             print(f"[context window full: the oldest {result.evicted_tokens} tokens were dropped "
                   f"({result.cache_length} kept)]", file=sys.stderr)
@@ -225,8 +253,17 @@ def cmd_delete(args) -> int:
     return 0
 
 
+def cmd_forget_answers(args) -> int:
+    settings = settings_from_args(ClientSettings, args)
+    files = sorted(settings.answer_index_dir.glob("*.tokens")) if settings.answer_index_dir.is_dir() else []
+    for path in files:
+        path.unlink()
+    print(f"forgot {len(files)} answer index file(s) in {settings.answer_index_dir}")
+    return 0
+
+
 COMMANDS = {"prepare": cmd_prepare, "generate": cmd_generate, "chat": cmd_chat, "info": cmd_info,
-            "delete": cmd_delete}
+            "delete": cmd_delete, "forget-answers": cmd_forget_answers}
 
 
 def main(argv: list[str] | None = None) -> int:

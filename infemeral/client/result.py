@@ -20,8 +20,16 @@ class TurnResult:
     cache_length: int = 0
     truncated_tokens: int = 0
     evicted_tokens: int = 0  # tokens the sliding window dropped during this turn
+    round_trips: int = 0     # steps that produced tokens: the prompt's last step and every decode step
+    drafted_tokens: int = 0  # drafts sent for verification (speculative decoding)
+    accepted_drafts: int = 0  # drafts the model agreed with: tokens that cost no round trip of their own
 
     @property
     def tokens_per_second(self) -> float:
         steps = self.generated_tokens - 1
         return steps / self.decode_seconds if steps > 0 and self.decode_seconds > 0 else 0.0
+
+    @property
+    def tokens_per_round_trip(self) -> float:
+        """1.0 without speculation; more when drafts are accepted."""
+        return self.generated_tokens / self.round_trips if self.round_trips else 0.0

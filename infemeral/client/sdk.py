@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import secrets
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,15 +27,16 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from infemeral.cloak.bundle import ClientBundle
+from infemeral.client.drafting import AnswerIndex, DraftSource, FirstOf, PromptLookup
 from infemeral.client.local_model import ClientModel
 from infemeral.client.pending import PendingCommit
 from infemeral.client.result import TurnResult
-from infemeral.client.sampling import Sampler, SamplingParams
-from infemeral.errors import Aborted, FailedPrecondition, InfemeralError, StatusError, from_rpc_error
-from infemeral.kvcache.cache import KVCache
-from infemeral.kvcache.window import WindowPolicy, apply_window
+from infemeral.client.sampling import SamplingParams
+from infemeral.client.speculation import DraftLength
+from infemeral.client.turn import TurnLoop, TurnStream
+from infemeral.errors import FailedPrecondition, InfemeralError, from_rpc_error
 from infemeral.protocol import pb, pb_grpc
-from infemeral.protocol.tensors import WIRE_DTYPES, from_proto, to_proto
+from infemeral.protocol.tensors import WIRE_DTYPES
 from infemeral.transport import client_channel
 
 SESSION_FILE_FORMAT = "infemeral-session"
@@ -49,13 +48,19 @@ class Client:
 
     Pass `tls_ca` (the CA or the server's own certificate) to use TLS, with
     `tls_client_cert`/`tls_client_key` for mutual TLS, and `api_key` if the
-    server asks for one."""
+    server asks for one.
+
+    Speculative decoding drafts from the conversation itself; `answer_index` (a directory, or an
+    `AnswerIndex`) also drafts from this client's earlier answers, kept in an owner-only file there;
+    `draft_model` (a local model directory or .gguf file with this model's tokenizer, or a ready
+    `DraftSource`) enables `SamplingParams(speculate="draft")`."""
 
     def __init__(self, server: str = "127.0.0.1:50051", client_bundle: str | Path | None = None, *,
                  timeout: float = 600.0, options: list | None = None, interceptors: list | None = None,
                  tls_ca: str | Path | None = None, tls_client_cert: str | Path | None = None,
                  tls_client_key: str | Path | None = None, tls_server_name: str | None = None,
-                 api_key: str | None = None):
+                 api_key: str | None = None, answer_index: str | Path | AnswerIndex | None = None,
+                 draft_model: str | Path | DraftSource | None = None):
         from infemeral.config import ClientSettings
 
         bundle_dir = client_bundle if client_bundle is not None else ClientSettings().client_bundle
@@ -77,6 +82,14 @@ class Client:
             self.channel = grpc.intercept_channel(self.channel, *interceptors)
         self.stub = pb_grpc.InfemeralStub(self.channel)
         self._info: pb.ServerInfo | None = None
+        if answer_index is not None and not isinstance(answer_index, AnswerIndex):
+            answer_index = AnswerIndex.for_tokenizer(answer_index, self.tokenizer)
+        self.answer_index: AnswerIndex | None = answer_index
+        if draft_model is not None and not isinstance(draft_model, DraftSource):
+            from infemeral.client.draft_model import DraftModel
+
+            draft_model = DraftModel.load(draft_model, self.tokenizer)
+        self.draft_model: DraftSource | None = draft_model
 
     # -- server -------------------------------------------------------------------------------
     def server_info(self, refresh: bool = False) -> pb.ServerInfo:
@@ -93,6 +106,20 @@ class Client:
     @property
     def wire_dtype(self) -> torch.dtype:
         return WIRE_DTYPES.get(self.server_info().dtype, torch.float32)
+
+    def draft_source(self, speculate: str) -> DraftSource | None:
+        """Where a turn's drafts come from: the conversation first, then earlier answers, then the draft model."""
+        if speculate == "off":
+            return None
+        sources: list[DraftSource] = [PromptLookup()]
+        if self.answer_index is not None:
+            sources.append(self.answer_index)
+        if speculate == "draft":
+            if self.draft_model is None:
+                raise InfemeralError("speculate='draft' needs a draft model: pass --draft-model PATH (a small local "
+                                     "model with this model's tokenizer), or use --speculate ngram")
+            sources.append(self.draft_model)
+        return sources[0] if len(sources) == 1 else FirstOf(*sources)
 
     # -- sessions -----------------------------------------------------------------------------
     def new_session(self, system_prompt: str | None = None) -> "Session":
@@ -120,38 +147,6 @@ class Client:
         self.close()
 
 
-class _TurnStream:
-    """One bidirectional Turn RPC: put requests, read responses in order."""
-
-    def __init__(self, client: Client):
-        self._requests: queue.Queue = queue.Queue()
-        self._responses = client.stub.Turn(iter(self._requests.get, None), timeout=client.timeout)
-
-    def call(self, request: pb.TurnRequest, expect: str):
-        self._requests.put(request)
-        try:
-            response = next(self._responses)
-        except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
-        except StopIteration:
-            raise StatusError("server ended the turn unexpectedly") from None
-        kind = response.WhichOneof("kind")
-        if kind != expect:
-            raise StatusError(f"protocol error: expected {expect}, got {kind}")
-        return getattr(response, kind)
-
-    def close(self) -> None:
-        """End the stream. Half-close first and wait for the server to finish the call, so that the
-        session is released on the server before the next turn opens; then make sure it is over."""
-        self._requests.put(None)
-        try:
-            for _ in self._responses:
-                pass
-        except grpc.RpcError:
-            pass
-        self._responses.cancel()
-
-
 class Session:
     """A conversation with committed state on both sides; not safe for concurrent use."""
 
@@ -169,6 +164,7 @@ class Session:
         # A turn whose commit was sent but never answered (connection lost), until the server says whether
         # it landed; the next turn settles it first.
         self.pending_commit: PendingCommit | None = None
+        self.draft_length = DraftLength()  # how many drafts a step carries, learnt as the session goes
 
     def __repr__(self) -> str:  # never print the key
         return f"Session(id={self.id.hex()[:8]}…, version={self.version}, tokens={len(self.history_ids)})"
@@ -182,8 +178,12 @@ class Session:
 
     def stream(self, message: str, sampling: SamplingParams | None = None) -> Iterator[str]:
         """Send a user message; yield the answer's text as it is sampled."""
-        messages = self.messages + [{"role": "user", "content": message}]
-        return self._turn(self._render(messages), messages, sampling or SamplingParams())
+        return self._stream(self.messages + [{"role": "user", "content": message}], sampling or SamplingParams())
+
+    def _stream(self, messages: list[dict], params: SamplingParams) -> Iterator[str]:
+        with TurnLoop(self, messages, params) as turn:
+            yield from turn.generate()
+            turn.commit()
 
     def _render(self, messages: list[dict]) -> list[int]:
         ids = self.client.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
@@ -191,7 +191,7 @@ class Session:
 
     def _settle_pending(self) -> None:
         """Ask the server whether the turn whose commit reply was lost did commit; adopt it if so."""
-        pending, stream = self.pending_commit, _TurnStream(self.client)
+        pending, stream = self.pending_commit, TurnStream(self.client)
         try:
             opened = stream.call(pb.TurnRequest(open=pb.OpenTurn(
                 session_id=self.id, session_key=self.key, expected_version=self.version,
@@ -220,135 +220,6 @@ class Session:
         if evicted > 0 and keep < sink_tokens + evicted:
             return 0, self.cache.length
         return keep, len(self.history_ids) - keep
-
-    def _turn(self, target_ids: list[int], messages: list[dict], params: SamplingParams) -> Iterator[str]:
-        if not self._busy.acquire(blocking=False):
-            raise Aborted("this session is already running a turn")
-        try:
-            if self.pending_commit is not None:
-                self._settle_pending()
-                messages = self.messages + messages[-1:]  # the new user message on the settled transcript
-                target_ids = self._render(messages)
-        except BaseException:
-            self._busy.release()
-            raise
-        client, model = self.client, self.client.model
-        undo: list[KVCache] = []  # a copy of the committed local cache, taken before it is first rewritten
-
-        def keep_undo() -> None:
-            if not undo:
-                undo.append(self.cache.clone())
-
-        result = TurnResult()
-        stream = None
-        committed = commit_sent = False
-        turn_id = secrets.token_bytes(16)
-        try:
-            info = client.server_info()
-            wire = client.wire_dtype
-            keep, drop = self._rewind(target_ids, info.sink_tokens)
-            new_prompt = target_ids[keep:]
-            result.truncated_tokens, result.prompt_tokens = drop, len(new_prompt)
-            stream = _TurnStream(client)
-            opened = stream.call(pb.TurnRequest(open=pb.OpenTurn(
-                session_id=self.id, session_key=self.key, expected_version=self.version,
-                bundle_fingerprint=client.bundle.server_fingerprint, turn_id=turn_id,
-                reserve_tokens=len(new_prompt) + params.max_new_tokens)), "opened")
-            if opened.cache_length != self.cache.length:
-                raise Aborted(f"server holds {opened.cache_length} tokens for this session but the client holds "
-                              f"{self.cache.length}; the session file is out of date")
-            if drop:
-                keep_undo()
-                stream.call(pb.TurnRequest(truncate=pb.Truncate(tokens=drop, cache_length=self.cache.length)),
-                            "truncated")
-                self.cache.truncate(drop)
-
-            window = WindowPolicy(info.max_context, info.sink_tokens, info.page_size or 1, enabled=info.window)
-
-            def step(ids: list[int]) -> torch.Tensor:
-                before = self.cache.length
-                evict = window.tokens_to_evict(before, len(ids))
-                if evict:
-                    keep_undo()
-                    apply_window(self.cache, window, len(ids), model.inv_freq)
-                    result.evicted_tokens += evict
-                hidden = model.cloak(ids, self.cache).to(wire)
-                out = stream.call(pb.TurnRequest(step=pb.Step(hidden=to_proto(hidden), cache_length=before,
-                                                              evict=evict)), "step")
-                if out.cache_length != self.cache.length or out.evicted != evict:
-                    raise Aborted(f"server cache length {out.cache_length} (evicted {out.evicted}) != client's "
-                                  f"{self.cache.length} (evicted {evict})")
-                return model.logits(from_proto(out.hidden, model.hidden_size, 1, "server residual"))[-1]
-
-            started = time.perf_counter()
-            chunk = max(1, min(info.max_step_tokens, window.max_step))
-            for i in range(0, len(new_prompt), chunk):
-                logits = step(new_prompt[i:i + chunk])
-            fed = target_ids[:]  # what the caches hold (and the window dropped) once the prompt is in
-            sampler = Sampler(params)
-            generated: list[int] = []
-            emitted = ""
-            hold = max((len(s) for s in params.stop), default=1) - 1
-            first_at = decode_from = None
-            while True:
-                token = sampler(logits, fed)
-                if first_at is None:
-                    first_at = decode_from = time.perf_counter()
-                    result.time_to_first_token = first_at - started
-                if token in client.eos_ids:
-                    result.finish_reason = "eos"
-                    break
-                generated.append(token)
-                text = client.tokenizer.decode(generated, skip_special_tokens=True)
-                stop_at = _find_stop(text, params.stop)
-                if stop_at is not None:
-                    text = text[:stop_at]
-                    result.finish_reason = "stop"
-                ready = text if result.finish_reason else text[:max(len(emitted), len(text) - hold)]
-                if ready.endswith("\ufffd") and not result.finish_reason:
-                    ready = emitted
-                if len(ready) > len(emitted):
-                    yield ready[len(emitted):]
-                    emitted = ready
-                result.text = text
-                if result.finish_reason:
-                    break
-                if len(generated) >= params.max_new_tokens:
-                    result.finish_reason = "length"
-                    break
-                if not window.enabled and self.cache.length + 1 > info.max_context:
-                    result.finish_reason = "context"
-                    break
-                logits = step([token])
-                fed.append(token)
-            if len(result.text) > len(emitted):
-                yield result.text[len(emitted):]
-            result.token_ids = generated
-            result.generated_tokens = len(generated)
-            result.decode_seconds = time.perf_counter() - decode_from
-            result.cache_length = self.cache.length
-            commit_sent = True
-            done = stream.call(pb.TurnRequest(commit=pb.Commit()), "committed")
-            committed = True
-            self.version = result.version = done.version
-            self.cache.commit()
-            self.history_ids = fed
-            self.messages = messages + [{"role": "assistant", "content": result.text}]
-            self.last_result = result
-        finally:
-            if stream is not None:
-                stream.close()
-            if commit_sent and not committed:  # the outcome is unknown until the server is asked
-                result.version = self.version + 1
-                self.pending_commit = PendingCommit.of_turn(
-                    turn_id, self.version + 1, self.cache, fed,
-                    messages + [{"role": "assistant", "content": result.text}], result)
-            if not committed:
-                if undo:
-                    self.cache = undo[0]
-                else:
-                    self.cache.rollback()
-            self._busy.release()
 
     # -- lifecycle ----------------------------------------------------------------------------
     def delete(self) -> None:
@@ -416,8 +287,3 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
             break
         n += 1
     return n
-
-
-def _find_stop(text: str, stops: list[str]) -> int | None:
-    hits = [text.find(s) for s in stops if s and s in text]
-    return min(hits) if hits else None

@@ -44,7 +44,7 @@ def main() -> int:
         cmd = json.loads(line)
         session = client.new_session()
         cpu, start = time.process_time(), time.perf_counter()
-        r = session.chat(cmd["prompt"], SamplingParams(max_new_tokens=cmd["tokens"]))
+        r = session.chat(cmd["prompt"], SamplingParams(max_new_tokens=cmd["tokens"], speculate="off"))
         end = time.perf_counter()
         cpu = time.process_time() - cpu
         session.delete()

@@ -66,6 +66,8 @@ class Params:
     concurrency_modes: list[str]
     agreement_tokens: int
     profile_steps: int
+    spec_tokens: int = 48
+    spec_prompts: int = 5
 
 
 FULL = Params(decode_tokens=64, decode_reps=3, contexts=[128, 256, 512, 1024, 2048, 4096], context_steps=32,
@@ -75,7 +77,8 @@ FULL = Params(decode_tokens=64, decode_reps=3, contexts=[128, 256, 512, 1024, 20
 QUICK = Params(decode_tokens=24, decode_reps=1, contexts=[128, 512], context_steps=16,
                context_dtypes=["float32", "bfloat16"], store_turns=8, store_tokens=8,
                concurrency=[1, 8], concurrency_tokens=16, concurrency_reps=1,
-               concurrency_modes=["processes", "threads"], agreement_tokens=64, profile_steps=12)
+               concurrency_modes=["processes", "threads"], agreement_tokens=64, profile_steps=12, spec_tokens=16,
+               spec_prompts=2)
 
 
 @dataclass
@@ -229,13 +232,14 @@ class SplitSystem:
         return self.layer_timer.calls[mark:] if self.layer_timer else []
 
     def turn(self, text: str, n: int, session=None, delete: bool = True) -> SplitTurn:
-        """One greedy chat turn of exactly n new tokens, with its wire log and layer timings."""
+        """One greedy chat turn of exactly n new tokens, with its wire log and layer timings (one token per
+        decode step: speculation, which has its own section, is off)."""
         from infemeral.client.sampling import SamplingParams
 
         s = session or self.client.new_session()
         k0, l0 = len(self.recorder.turns), self.layer_mark()
         t = now()
-        r = s.chat(text, SamplingParams(max_new_tokens=n))
+        r = s.chat(text, SamplingParams(max_new_tokens=n, speculate="off"))
         wall = now() - t
         turn = self.recorder.turns[k0]
         decode = turn.decode_steps(r.generated_tokens)

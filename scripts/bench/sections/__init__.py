@@ -20,7 +20,7 @@ from types import ModuleType
 
 from bench.harness import MachineLoad, Target
 
-ORDER = ("prepare", "decode", "context", "wire", "store", "concurrency", "agreement", "profile")
+ORDER = ("prepare", "decode", "context", "wire", "store", "concurrency", "agreement", "profile", "speculation")
 
 
 @dataclass

@@ -135,7 +135,7 @@ def run_threads(split, n: int, tokens: int) -> SplitRun:
         barrier.wait()
         c = time.thread_time()
         try:
-            results[i] = sessions[i].chat(PROMPT, SamplingParams(max_new_tokens=tokens))
+            results[i] = sessions[i].chat(PROMPT, SamplingParams(max_new_tokens=tokens, speculate="off"))
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(f"{type(e).__name__}: {e}")
         cpus[i] = time.thread_time() - c

@@ -68,23 +68,63 @@ DOCUMENT_PROMPTS = [
 ]
 
 CODE_SNIPPETS = [
-    ("def average(numbers):\n    total = 0\n    for n in numbers:\n        total += n\n    return total / len(numbers)\n",
-     "it returns 0 for an empty list"),
-    ("def read_config(path):\n    config = {}\n    with open(path) as f:\n        for line in f:\n"
-     "            key, value = line.split('=')\n            config[key] = value\n    return config\n",
-     "it strips whitespace from keys and values"),
-    ("class Counter:\n    def __init__(self):\n        self.count = 0\n\n    def increment(self):\n"
-     "        self.count += 1\n\n    def reset(self):\n        self.count = 0\n",
-     "increment takes an optional step argument"),
-    ("def find_max(items):\n    best = items[0]\n    for item in items:\n        if item > best:\n"
-     "            best = item\n    return best\n",
-     "it is renamed to find_min and returns the smallest item"),
-    ("def greet(name):\n    message = 'Hello, ' + name + '!'\n    print(message)\n    return message\n",
-     "it uses an f-string"),
+    ("def average(numbers):\n"
+     "    \"\"\"Return the arithmetic mean of a list of numbers.\"\"\"\n"
+     "    total = 0\n"
+     "    count = 0\n"
+     "    for number in numbers:\n"
+     "        total += number\n"
+     "        count += 1\n"
+     "    mean = total / count\n"
+     "    print(f\"The average of {count} numbers is {mean}\")\n"
+     "    return mean\n",
+     "it returns 0 when the list is empty"),
+    ("def read_config(path):\n"
+     "    \"\"\"Read key=value lines from a file into a dictionary.\"\"\"\n"
+     "    config = {}\n"
+     "    with open(path) as f:\n"
+     "        for line in f:\n"
+     "            if line.startswith('#'):\n"
+     "                continue\n"
+     "            key, value = line.split('=')\n"
+     "            config[key] = value\n"
+     "    return config\n",
+     "it strips whitespace from every key and value"),
+    ("class Counter:\n"
+     "    \"\"\"A simple counter.\"\"\"\n"
+     "\n"
+     "    def __init__(self):\n"
+     "        self.count = 0\n"
+     "\n"
+     "    def increment(self):\n"
+     "        self.count += 1\n"
+     "        return self.count\n"
+     "\n"
+     "    def reset(self):\n"
+     "        self.count = 0\n",
+     "increment takes an optional step argument that defaults to 1"),
+    ("def find_max(items):\n"
+     "    \"\"\"Return the largest item of a non-empty list.\"\"\"\n"
+     "    if not items:\n"
+     "        raise ValueError('find_max() needs at least one item')\n"
+     "    best = items[0]\n"
+     "    for item in items[1:]:\n"
+     "        if item > best:\n"
+     "            best = item\n"
+     "    return best\n",
+     "it is called find_min and returns the smallest item"),
+    ("def greet(name, greeting='Hello'):\n"
+     "    \"\"\"Print and return a friendly greeting.\"\"\"\n"
+     "    if not name:\n"
+     "        name = 'friend'\n"
+     "    message = greeting + ', ' + name + '!'\n"
+     "    print(message)\n"
+     "    return message\n",
+     "it builds the message with an f-string"),
 ]
 
-CODE_PROMPTS = [f"Here is a Python function:\n\n```python\n{code}```\n\nRewrite it so that {change}. "
-                "Return the complete code." for code, change in CODE_SNIPPETS]
+CODE_PROMPTS = [f"Here is some Python code:\n\n```python\n{code}```\n\nRewrite it so that {change}. Keep "
+                "everything else as it is and return the complete code." for code, change in CODE_SNIPPETS]
 
 CHAT_PROMPTS = [
     "What are some good habits for staying healthy?",
@@ -92,6 +132,21 @@ CHAT_PROMPTS = [
     "Why is the sky blue?",
     "Give me three ideas for a weekend trip.",
     "How do I start learning to play the guitar?",
+]
+
+# Earlier questions of the same user, in other sessions: what the answer index has seen before the chat
+# workload runs (its answers are added to the index, never the questions).
+EARLIER_CHAT_PROMPTS = [
+    "What are the benefits of regular exercise?",
+    "Write a short story about a dog who finds a treasure.",
+    "Why do leaves change colour in autumn?",
+    "Give me three ideas for a rainy afternoon.",
+    "How do I start learning to paint?",
+    "What are some tips for sleeping better?",
+    "Write a short poem about the ocean.",
+    "Why is the ocean salty?",
+    "Suggest a few healthy breakfast ideas.",
+    "How can I get better at public speaking?",
 ]
 
 WORKLOADS = {"copy": COPY_PROMPTS, "document": DOCUMENT_PROMPTS, "code": CODE_PROMPTS, "chat": CHAT_PROMPTS}

@@ -1,0 +1,260 @@
+"""Speculative decoding end to end on the real model: the same tokens as without it, in fewer round trips.
+
+Greedy output with drafts is token-identical to plain `transformers` and to speculation off: one turn,
+a three-turn chat, with the sliding window evicting in the middle of it, with several sessions batched
+on the server, with a draft model (good drafts and poor ones) and with the answer index; seeded
+sampling reproduces. The prompts quote passages so that drafts are really made and accepted.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from conftest import start_server
+from infemeral.client.draft_model import DraftModel
+from infemeral.client.drafting import AnswerIndex
+from infemeral.client.sampling import SamplingParams
+from infemeral.client.sdk import Client
+from infemeral.errors import StatusError
+
+pytestmark = pytest.mark.slow
+
+N = 24
+PASSAGES = [
+    "The lighthouse keeper climbed the spiral stairs every evening at six. He trimmed the wick, polished the "
+    "great lens until it shone, and wrote the weather in a leather book.",
+    "To make bread, mix five hundred grams of flour with ten grams of salt and seven grams of dried yeast, add "
+    "warm water and knead the dough for ten minutes.",
+    "The committee agreed that the library will open an hour earlier on weekdays and that members may borrow up "
+    "to six books at once.",
+    "Every morning the baker opened the shop at seven, set out the warm loaves in the window, and greeted the "
+    "first customers by name.",
+]
+
+
+def copy(passage: str) -> str:
+    return f"Repeat the following passage exactly, word for word:\n\n{passage}"
+
+
+def greedy(params: dict | None = None, **kwargs) -> SamplingParams:
+    return SamplingParams(**{"max_new_tokens": N, **(params or {}), **kwargs})
+
+
+def plain_greedy(reference, messages, n: int = N) -> list[int]:
+    model, tokenizer = reference
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = ids if isinstance(ids, list) else ids["input_ids"]
+    out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                         max_new_tokens=n, do_sample=False)
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    return [t for t in out[0, len(ids):].tolist() if t not in eos][:n]
+
+
+def assert_speculated(result) -> None:
+    """Drafts were really made and accepted: fewer round trips than tokens."""
+    assert result.accepted_drafts > 0 and result.drafted_tokens >= result.accepted_drafts
+    assert result.round_trips < result.generated_tokens
+
+
+def test_one_turn_is_token_identical_in_fewer_round_trips(reference, client):
+    question = copy(PASSAGES[0])
+    expected = plain_greedy(reference, [{"role": "user", "content": question}])
+    assert len(expected) == N
+    on = client.new_session().chat(question, greedy())
+    off = client.new_session().chat(question, greedy(speculate="off"))
+    assert on.token_ids == off.token_ids == expected
+    assert_speculated(on)
+    assert off.round_trips == off.generated_tokens and off.drafted_tokens == 0
+    assert on.tokens_per_round_trip > 2 and off.tokens_per_round_trip == 1.0
+
+
+def test_three_turn_chat_is_token_identical(reference, client):
+    session, messages, accepted = client.new_session(), [], 0
+    for question in (copy(PASSAGES[1]), "Now repeat the same passage once more.", copy(PASSAGES[2])):
+        messages.append({"role": "user", "content": question})
+        result = session.chat(question, greedy())
+        assert result.token_ids == plain_greedy(reference, messages)
+        messages.append({"role": "assistant", "content": result.text})
+        accepted += result.accepted_drafts
+    assert session.version == 3 and accepted > 10
+
+
+def test_the_window_slides_in_the_middle_of_speculation(bundles, tmp_path):
+    """A small window (96 tokens, pages of 16): evictions happen while drafts are verified; both caches
+    stay consistent across turns, and the tokens equal speculation off's."""
+    srv = start_server(bundles, tmp_path / "store", max_context=96, page_size=16, sink_tokens=4)
+    client = Client(f"127.0.0.1:{srv.port}", bundles.client_dir, timeout=300)
+    try:
+        on, off = client.new_session(), client.new_session()
+        evicted = accepted = 0
+        for passage in PASSAGES[:3]:
+            a = on.chat(copy(passage), greedy())
+            b = off.chat(copy(passage), greedy(speculate="off"))
+            assert a.token_ids == b.token_ids
+            assert a.cache_length == b.cache_length <= 96
+            evicted, accepted = evicted + a.evicted_tokens, accepted + a.accepted_drafts
+        assert evicted > 0 and accepted > 0
+        assert on.history_ids == off.history_ids and on.cache.length == off.cache.length
+        for slot in range(on.cache.num_layers):  # the client's own layer cache, by content
+            for x, y in zip(on.cache.layer_tensors(slot), off.cache.layer_tensors(slot)):
+                torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+        assert srv.engine.pool.free_pages == srv.engine.pool.num_pages  # truncations and closes freed every page
+    finally:
+        client.close()
+        srv.stop(0)
+
+
+def test_sessions_speculating_together_get_their_solo_tokens(reference, bundles, tmp_path):
+    srv = start_server(bundles, tmp_path / "store")
+    clients = [Client(f"127.0.0.1:{srv.port}", bundles.client_dir, timeout=300) for _ in range(2)]
+    try:
+        solo = [plain_greedy(reference, [{"role": "user", "content": copy(p)}]) for p in PASSAGES]
+        results, errors = {}, []
+        start = threading.Barrier(len(PASSAGES))
+
+        def run(i: int) -> None:
+            try:
+                session = clients[i % 2].new_session()
+                start.wait()
+                results[i] = session.chat(copy(PASSAGES[i]), greedy())
+            except BaseException as e:  # reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PASSAGES))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert not errors, errors
+        assert [results[i].token_ids for i in range(len(PASSAGES))] == solo
+        for r in results.values():
+            assert_speculated(r)
+        assert srv.engine.stats["largest_batch"] >= 2  # verify steps shared forward passes
+        assert srv.engine.pool.free_pages == srv.engine.pool.num_pages
+    finally:
+        for c in clients:
+            c.close()
+        srv.stop(0)
+
+
+@pytest.fixture(scope="module")
+def tiny_drafter(reference):
+    """A tiny random Llama with the default model's tokenizer: a legal draft model that guesses badly."""
+    model, tokenizer = reference
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=model.config.vocab_size, max_position_embeddings=2048)
+    return DraftModel(AutoModelForCausalLM.from_config(config).eval(), tokenizer, tokenizer)
+
+
+@pytest.mark.parametrize("drafter", ["self", "tiny"])
+def test_a_draft_model_keeps_the_output(reference, server, bundles, tiny_drafter, drafter):
+    model, tokenizer = reference
+    draft = DraftModel(model, tokenizer, tokenizer) if drafter == "self" else tiny_drafter
+    question = "Why is the sky blue?"  # open chat: the conversation holds little to copy
+    expected = plain_greedy(reference, [{"role": "user", "content": question}])
+    with Client(f"127.0.0.1:{server.port}", bundles.client_dir, timeout=300, draft_model=draft) as client:
+        result = client.new_session().chat(question, greedy(speculate="draft"))
+    assert result.token_ids == expected
+    assert result.drafted_tokens > 0
+    if drafter == "self":  # the model drafting for itself is (nearly) always right
+        assert_speculated(result)
+        assert result.accepted_drafts >= 0.8 * result.drafted_tokens
+    else:  # random guesses are rejected, and the output is still the model's own
+        assert result.accepted_drafts < result.drafted_tokens
+
+
+def test_the_answer_index_drafts_from_an_earlier_session(reference, server, bundles, tmp_path):
+    question = "Why is the sky blue?"
+    expected = plain_greedy(reference, [{"role": "user", "content": question}])
+    index = AnswerIndex(tmp_path / "answers.tokens")
+    with Client(f"127.0.0.1:{server.port}", bundles.client_dir, timeout=300, answer_index=index) as client:
+        first = client.new_session().chat(question, greedy())
+        assert index.num_tokens == len(first.token_ids)  # the committed answer went into the index
+        second = client.new_session().chat(question, greedy())  # another session, the same question
+    assert first.token_ids == second.token_ids == expected
+    assert second.accepted_drafts > first.accepted_drafts and second.round_trips < first.round_trips
+
+
+def test_seeded_sampling_reproduces_with_speculation(client):
+    params = dict(temperature=0.7, top_p=0.95, seed=1234)
+    question = copy(PASSAGES[3])
+    a = client.new_session().chat(question, greedy(params))
+    b = client.new_session().chat(question, greedy(params))
+    off = client.new_session().chat(question, greedy(params, speculate="off"))
+    assert a.token_ids == b.token_ids
+    assert_speculated(a)
+    # Every position takes one draw from the seeded generator, drafts or not: the same sample as without.
+    assert a.token_ids == off.token_ids
+
+
+class _LoseCommitReply(grpc.StreamStreamClientInterceptor):
+    """Records each Turn's request kinds; can make the client never hear the `committed` reply."""
+
+    def __init__(self):
+        self.kinds: list[list[str]] = []
+        self.lose = False
+
+    def intercept_stream_stream(self, continuation, details, request_iterator):
+        kinds: list[str] = []
+        self.kinds.append(kinds)
+
+        def requests():
+            for r in request_iterator:
+                kinds.append(r.WhichOneof("kind"))
+                yield r
+
+        return _Call(continuation(details, requests()), self)
+
+
+class _Call:
+    def __init__(self, call, owner):
+        self._call, self._owner = call, owner
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        response = next(self._call)
+        if response.WhichOneof("kind") == "committed" and self._owner.lose:
+            self._owner.lose = False
+            raise _Lost()
+        return response
+
+    def cancel(self):
+        return self._call.cancel()
+
+
+class _Lost(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self):
+        return "connection lost (simulated)"
+
+
+def test_a_lost_commit_with_dropped_drafts_is_settled(client, server, bundles):
+    """The answer ends (at a stop string) inside a run of accepted drafts: the positions after it are
+    dropped by a Truncate that travels with the commit. The commit's reply is lost; the next turn adopts
+    the committed state, and continues exactly as a session that never lost anything."""
+    short = SamplingParams(max_new_tokens=N, stop=["spiral"])
+    questions = (copy(PASSAGES[0]), "Now repeat the same passage once more.")
+    reference = client.new_session()
+    expected = [reference.chat(q, short).token_ids for q in questions]
+    spy = _LoseCommitReply()
+    with Client(f"127.0.0.1:{server.port}", bundles.client_dir, timeout=120, interceptors=[spy]) as c:
+        session = c.new_session()
+        spy.lose = True
+        with pytest.raises(StatusError):
+            session.chat(questions[0], short)
+        assert spy.kinds[-1][-2:] == ["truncate", "commit"]  # the drafts after the stop went with the commit
+        assert session.version == 0 and session.pending_commit is not None
+        result = session.chat(questions[1], short)
+    assert session.version == 2 and result.token_ids == expected[1]
+    assert session.history_ids == reference.history_ids
