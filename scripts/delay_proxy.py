@@ -100,7 +100,7 @@ class DelayProxy:
     async def _handle(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
         try:
             server_reader, server_writer = await asyncio.open_connection(*self.target)
-        except OSError:
+        except (OSError, asyncio.CancelledError):
             client_writer.close()
             return
         _nodelay(client_writer)
@@ -108,6 +108,8 @@ class DelayProxy:
         try:
             await asyncio.gather(_pipe(client_reader, server_writer, self.delay),
                                  _pipe(server_reader, client_writer, self.delay))
+        except asyncio.CancelledError:  # the proxy is stopping: end quietly
+            pass
         finally:
             for w in (client_writer, server_writer):
                 w.close()
@@ -123,9 +125,10 @@ class DelayProxy:
         async def shutdown():
             if self._server is not None:
                 self._server.close()
-            for task in asyncio.all_tasks():
-                if task is not asyncio.current_task():
-                    task.cancel()
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
         if self._thread.is_alive():
             asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(timeout=10)
