@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from infemeral.client.sampling import Sampler, SamplingParams
-from infemeral.client.speculation import DraftLength, accept_drafts, expected_tokens
+from infemeral.client.speculation import DraftLength, StepCost, accept_drafts, expected_tokens
 
 # -- a toy "model": logits as a fixed function of the context, so any decoding order sees the same numbers --
 
@@ -354,6 +354,18 @@ def test_draft_length_weighs_acceptance_against_the_cost_of_a_longer_step():
     assert local.choose() == 0  # every extra position costs as much as a step: drafts never pay
     with pytest.raises(ValueError):
         DraftLength(max_draft=-1)
+
+
+def test_the_step_cost_holds_its_prior_until_step_sizes_vary_and_is_shared():
+    cost = StepCost(prior=0.1)
+    for _ in range(10):
+        cost.add(1, 0.05)  # only one-token steps: no slope to fit
+    assert cost.ratio() == 0.1
+    first, second = DraftLength(cost=cost), DraftLength(cost=cost)  # two sessions of one client
+    for n in (1, 9, 1, 9):
+        first.step_time(n, 0.05 + 0.005 * n)
+    assert second.estimated_cost_ratio == pytest.approx(first.estimated_cost_ratio)
+    assert second.estimated_cost_ratio != 0.1 and 0.05 < second.estimated_cost_ratio < 0.15  # fitted
 
 
 def test_draft_length_zero_never_drafts():

@@ -21,6 +21,7 @@ from infemeral.client.drafting import AnswerIndex
 from infemeral.client.sampling import SamplingParams
 from infemeral.client.sdk import Client
 from infemeral.errors import StatusError
+from infemeral.kvcache.stored import SessionKeys
 
 pytestmark = pytest.mark.slow
 
@@ -104,6 +105,16 @@ def test_the_window_slides_in_the_middle_of_speculation(bundles, tmp_path):
         for slot in range(on.cache.num_layers):  # the client's own layer cache, by content
             for x, y in zip(on.cache.layer_tensors(slot), off.cache.layer_tensors(slot)):
                 torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+        stored = []
+        for session in (on, off):  # the server's committed cache, decrypted from the store, by content
+            cache = srv.engine.layers.new_cache()
+            srv.engine.persistence.load(session.id, SessionKeys.derive(session.id, session.key), session.version,
+                                        cache)
+            assert cache.length == session.cache.length
+            stored.append(cache)
+        for slot in range(stored[0].num_layers):
+            for x, y in zip(stored[0].layer_tensors(slot), stored[1].layer_tensors(slot)):
+                torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4)
         assert srv.engine.pool.free_pages == srv.engine.pool.num_pages  # truncations and closes freed every page
     finally:
         client.close()

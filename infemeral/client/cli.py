@@ -137,7 +137,8 @@ def _client(settings: ClientSettings):
 
 def _report(result, verbose: bool) -> None:
     if verbose:
-        drafts = f" ({result.accepted_drafts} of {result.drafted_tokens} drafts accepted)" if result.drafted_tokens else ""
+        drafts = (f" ({result.accepted_drafts} of {result.drafted_tokens} drafts accepted)"
+                  if result.drafted_tokens else "")
         print(f"[{result.prompt_tokens} prompt tokens, {result.generated_tokens} generated, "
               f"finish={result.finish_reason}, first token {result.time_to_first_token:.2f}s, "
               f"{result.tokens_per_second:.1f} tokens/s, {result.tokens_per_round_trip:.2f} tokens per round trip"

@@ -32,7 +32,7 @@ from infemeral.client.local_model import ClientModel
 from infemeral.client.pending import PendingCommit
 from infemeral.client.result import TurnResult
 from infemeral.client.sampling import SamplingParams
-from infemeral.client.speculation import DraftLength
+from infemeral.client.speculation import DraftLength, StepCost
 from infemeral.client.turn import TurnLoop, TurnStream
 from infemeral.errors import FailedPrecondition, InfemeralError, from_rpc_error
 from infemeral.protocol import pb, pb_grpc
@@ -90,6 +90,7 @@ class Client:
 
             draft_model = DraftModel.load(draft_model, self.tokenizer)
         self.draft_model: DraftSource | None = draft_model
+        self.step_cost = StepCost()  # what an extra drafted position costs on this link, learnt across sessions
 
     # -- server -------------------------------------------------------------------------------
     def server_info(self, refresh: bool = False) -> pb.ServerInfo:
@@ -116,8 +117,9 @@ class Client:
             sources.append(self.answer_index)
         if speculate == "draft":
             if self.draft_model is None:
-                raise InfemeralError("speculate='draft' needs a draft model: pass --draft-model PATH (a small local "
-                                     "model with this model's tokenizer), or use --speculate ngram")
+                raise InfemeralError("speculate='draft' needs a draft model (a small local model with this model's "
+                                     "tokenizer): Client(draft_model=PATH), or --draft-model PATH on the command "
+                                     "line; or use speculate='ngram'")
             sources.append(self.draft_model)
         return sources[0] if len(sources) == 1 else FirstOf(*sources)
 
@@ -164,7 +166,7 @@ class Session:
         # A turn whose commit was sent but never answered (connection lost), until the server says whether
         # it landed; the next turn settles it first.
         self.pending_commit: PendingCommit | None = None
-        self.draft_length = DraftLength()  # how many drafts a step carries, learnt as the session goes
+        self.draft_length = DraftLength(cost=client.step_cost)  # how many drafts a step carries, learnt as it goes
 
     def __repr__(self) -> str:  # never print the key
         return f"Session(id={self.id.hex()[:8]}…, version={self.version}, tokens={len(self.history_ids)})"

@@ -237,7 +237,8 @@ class TurnLoop:
                 if r.finish_reason:
                     break
             self._keep_in_caches(anchor + (i if r.finish_reason else len(new) - 1))
-            if not r.finish_reason and not self.window.enabled and self.session.cache.length + 1 > self.info.max_context:
+            is_full = not self.window.enabled and self.session.cache.length + 1 > self.info.max_context
+            if is_full and not r.finish_reason:
                 r.finish_reason = "context"
             if r.finish_reason:
                 break

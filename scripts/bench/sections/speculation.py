@@ -186,14 +186,15 @@ def report(r: Result) -> list[str]:
     cells = r.facts["cells"]
     lines = [r.method + "\n",
              "Speedup = tokens/s with speculation / tokens/s without, per prompt, averaged over the prompts "
-             "(mean tokens/s without → with in brackets). Tokens per round trip = generated tokens / steps that "
+             "(mean tokens/s without → with beside it). Tokens per round trip = generated tokens / steps that "
              "produced tokens (1.0 without speculation). TTFT ratio = time to first token with / without.\n",
              "| workload | drafts | RTT | speedup | tokens/s (off → on) | tokens per round trip | TTFT ratio |",
              "|---|---|---|---|---|---|---|"]
     for cell in sorted(cells.values(), key=lambda c: (list(WORKLOADS).index(c["workload"]), c["mode"] != "ngram",
                                                       c["mode"], c["rtt_ms"])):
+        tps = f"{fmt(cell['mean_tps_off'])} → {fmt(cell['mean_tps_on'])}"
         lines.append(f"| {cell['workload']} | {cell['mode']} | {cell['rtt_ms']} ms | "
-                     f"{fmt(cell['mean_speedups'], '.2f')}x | {fmt(cell['mean_tps_off'])} → {fmt(cell['mean_tps_on'])} | "
+                     f"{fmt(cell['mean_speedups'], '.2f')}x | {tps} | "
                      f"{fmt(cell['mean_tokens_per_round_trip'], '.2f')} | {fmt(cell['mean_ttft_ratio'], '.2f')} |")
     lines += ["", "drafts: `ngram` = prompt lookup over the conversation (the default); `answers` = prompt lookup, "
               "then the answer index of earlier answers; `draft` = prompt lookup, then the draft model.\n"]
