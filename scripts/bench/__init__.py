@@ -11,6 +11,8 @@ Layout:
     instruments.py  wire recorder (gRPC interceptor), layer timer, store meter, token stamps, subprocess meter
     systems.py      `Workbench`: the model and bundles, `wb.split(dtype)` (server + client) and `wb.plain(dtype)`
     sections/       one module per section (see sections/__init__.py for the contract)
+    workloads.py    the speculation section's prompts (copy, document, code, open chat); it reaches the
+                    server through `scripts/delay_proxy.py` to emulate 0, 20 and 80 ms round trips
     report.py       results.json and REPORT.md
     cli.py          the command line; `scripts/bench.py` calls it
 
