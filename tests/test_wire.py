@@ -132,7 +132,8 @@ def test_only_turn_fields_and_float_hidden_states(recorded):
             check_fields(request, f"turn {t} message {i}")
             assert request.WhichOneof("kind") is not None
         assert turn[0].open.expected_version == t
-        assert turn[0].open.reserve_tokens == results[t].prompt_tokens + NEW_TOKENS  # what the turn may add
+        # what the turn may add: its prompt, its answer, and room for the drafts of one step
+        assert turn[0].open.reserve_tokens == results[t].prompt_tokens + NEW_TOKENS + SamplingParams().max_draft
         assert len(turn[0].open.session_id) == 16 and len(turn[0].open.session_key) == 32
         for s in steps(turn):
             x = s.hidden
