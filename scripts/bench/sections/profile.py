@@ -100,7 +100,7 @@ def profile(split, sessions: int, steps: int) -> tuple[list[ProfileRow], dict]:
     k0 = len(split.recorder.turns)
     with Probe(split) as probe:
         threads = [threading.Thread(target=lambda: split.client.new_session().chat(
-            PROMPT, SamplingParams(max_new_tokens=steps + 1))) for _ in range(sessions)]
+            PROMPT, SamplingParams(max_new_tokens=steps + 1, speculate="off"))) for _ in range(sessions)]
         for t in threads:
             t.start()
         for t in threads:
