@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from infemeral.cloak import bundle as B
 from infemeral.cloak.basis import random_orthogonal
 from infemeral.cloak.rotate import rotate_layer
+from infemeral.cloak.server_config import write_server_config
 from infemeral.cloak.sources import WeightSource, layer_tensors, open_source
 
 log = logging.getLogger(__name__)
@@ -84,7 +85,7 @@ def prepare(model: str | Path | None = None, output: str | Path = "bundles", *,
         save_file(client_tensors, str(client_tmp / "client.safetensors"))
         save_file({"basis": basis.contiguous()}, str(client_tmp / "basis.safetensors"))
 
-        config.save_pretrained(server_tmp)
+        write_server_config(config, server_tmp)  # only what the layers need: nothing that names the model
         files["config.json"] = B.sha256_file(server_tmp / "config.json")
         manifest = {
             "format": B.SERVER_FORMAT, "format_version": B.FORMAT_VERSION,
