@@ -23,6 +23,7 @@ first steps:
   infemeral-server --bundle ~/.local/share/infemeral/bundles/default/server &
   infemeral-client generate "What is the capital of France?"
   infemeral-client chat --session work           # resumable chat
+  infemeral-client audit "My SSN is 078-05-1120"  # what could the pod learn from this prompt?
 
 Every flag can also be set as an INFEMERAL_* environment variable, e.g.
 INFEMERAL_SERVER=pod.example.com:50051 or INFEMERAL_TEMPERATURE=0.7.
@@ -84,6 +85,28 @@ def build_parser() -> argparse.ArgumentParser:
                                    "on this machine to draft from (see --answer-index). Turn it off for good with "
                                    "--no-answer-index or INFEMERAL_ANSWER_INDEX=false.")
     add_settings_flags(f, ClientSettings, ("answer_index_dir",))
+
+    a = sub.add_parser("audit", help="measure what the pod could learn from a prompt (runs locally)",
+                       description="Run the attacks a curious pod operator could run on exactly what the server "
+                                   "would receive for this prompt, and report how much of it each recovers. "
+                                   "Runs on this machine with the client bundle; sends nothing anywhere.")
+    a.add_argument("prompt", nargs="?", default=None,
+                   help="the text to audit, as a user message ('-' reads it from stdin; default: a built-in "
+                        "sample with an SSN, a password, a diagnosis and a card number)")
+    a.add_argument("--system", help="system prompt")
+    add_settings_flags(a, ClientSettings, ("client_bundle",))
+    a.add_argument("--server-bundle", type=Path,
+                   help="the matching server bundle (default: the server/ directory next to the client bundle); "
+                        "needed for K/V inversion and for solving Q")
+    a.add_argument("--public-model", metavar="DIR|GGUF",
+                   help="the public model the bundles were prepared from: attack with its weights and solve Q from "
+                        "the server bundle, instead of simulating that operator with the client's own Q")
+    a.add_argument("--wire-dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="dtype of the hidden states on the wire (the server's dtype; default: float32)")
+    a.add_argument("--json", action="store_true", help="print the report as JSON")
+    a.add_argument("--show-tokens", action="store_true",
+                   help="also print what each attack recovers of your text (that is your secret: mind your screen)")
+    a.add_argument("--quiet", action="store_true", help="no progress bar")
 
     d = sub.add_parser("delete", help="delete a saved session here and on the server")
     d.add_argument("--session", required=True, help="name of the saved session")
@@ -238,6 +261,17 @@ def cmd_info(args) -> int:
     return 0 if match else 1
 
 
+def cmd_audit(args) -> int:
+    from infemeral.audit import audit
+
+    settings = settings_from_args(ClientSettings, args)
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    report = audit(prompt, settings.client_bundle, system=args.system, server_bundle=args.server_bundle,
+                   public_model=args.public_model, wire_dtype=args.wire_dtype, progress=not args.quiet)
+    print(report.to_json(args.show_tokens) if args.json else report.text(args.show_tokens))
+    return 0
+
+
 def cmd_delete(args) -> int:
     from infemeral.client.sdk import Session
 
@@ -264,7 +298,7 @@ def cmd_forget_answers(args) -> int:
 
 
 COMMANDS = {"prepare": cmd_prepare, "generate": cmd_generate, "chat": cmd_chat, "info": cmd_info,
-            "delete": cmd_delete, "forget-answers": cmd_forget_answers}
+            "audit": cmd_audit, "delete": cmd_delete, "forget-answers": cmd_forget_answers}
 
 
 def main(argv: list[str] | None = None) -> int:

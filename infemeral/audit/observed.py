@@ -1,0 +1,85 @@
+"""Exactly what the pod sees of a prompt: the hidden states it receives and the keys/values it keeps.
+
+The hidden states come out of the client's own code path: the chat template as the
+SDK renders a turn, `ClientModel.cloak` (embedding, the local layers, times Q) in
+the SDK's step sizes, cast to the wire dtype. The keys/values are what the first
+served layer writes into the pod's KV cache for those states, computed with the
+server bundle's rotated weights the way the server runs them (`LayerStack` over a
+KV cache). The attacks then work on these tensors and nothing else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from infemeral.cloak.bundle import DTYPES, ServerBundle
+from infemeral.client.local_model import ClientModel
+from infemeral.config import ServerSettings
+from infemeral.errors import InvalidArgument
+from infemeral.model.layers import LayerStack
+
+# A fresh session sends its prompt in steps of at most the server's max_step_tokens.
+STEP_TOKENS = ServerSettings.model_fields["max_step_tokens"].default
+
+
+@dataclass
+class Observation:
+    """One prompt as the server receives it."""
+
+    token_ids: list[int]
+    user_positions: range  # the user's own message inside the chat template
+    hidden: torch.Tensor   # [n, d] in the secret basis, in the wire dtype
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+def render(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of a turn as the SDK renders it (chat template with the generation prompt)."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids if isinstance(ids, list) else ids["input_ids"])
+
+
+def user_positions(tokenizer, messages: list[dict]) -> range:
+    """Where the last message's own text sits: what differs from the same turn with that message empty."""
+    full = render(tokenizer, messages)
+    empty = render(tokenizer, messages[:-1] + [{**messages[-1], "content": ""}])
+    start = _common_prefix(full, empty)
+    end = len(full) - _common_prefix(full[start:][::-1], empty[start:][::-1])
+    return range(start, end)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def observe(model: ClientModel, tokenizer, messages: list[dict], wire_dtype: torch.dtype = torch.float32,
+            step_tokens: int = STEP_TOKENS) -> Observation:
+    """Run the client half on a fresh session's prompt and return what goes on the wire."""
+    ids = render(tokenizer, messages)
+    context = model.config.max_position_embeddings
+    if len(ids) > context:
+        raise InvalidArgument(f"the prompt is {len(ids)} tokens with the chat template, longer than the model's "
+                              f"context of {context}; audit a shorter prompt")
+    cache = model.new_cache()
+    sent = [model.cloak(ids[i:i + step_tokens], cache).to(wire_dtype) for i in range(0, len(ids), step_tokens)]
+    return Observation(ids, user_positions(tokenizer, messages), torch.cat(sent))
+
+
+@torch.inference_mode()
+def served_keys_values(server: ServerBundle, hidden: torch.Tensor,
+                       step_tokens: int = STEP_TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values [kv_heads, n, head_dim] the first served layer keeps for `hidden` (received states)."""
+    first = server.first_layer
+    stack = LayerStack(server.config, first, [server.layer_weights(first)], dtype=DTYPES[server.manifest["dtype"]])
+    cache = stack.new_cache(hidden.shape[0])
+    for i in range(0, hidden.shape[0], step_tokens):
+        stack(hidden[i:i + step_tokens], cache)
+    keys, values = cache.layer_tensors(0)
+    return keys.float(), values.float()
