@@ -31,6 +31,7 @@ from infemeral.client.local_model import ClientModel
 BUDGET_PROMPT = "Maria Lopez, SSN 078-05-1120, has HIV; password Tr0ub4dor&3."  # 60 tokens with the chat template
 BUDGET_SECONDS = 120.0
 DECODE_STEPS = 64
+REPEATS = 5
 
 
 @dataclass
@@ -47,6 +48,7 @@ class Row:
     budget_tokens: int
     budget_seconds: float
     ms_per_token: float
+    params_per_token: int  # weights the client reads per decode token (local layers + LM head)
 
 
 def bundles_for(root: Path, layers: int) -> Path:
@@ -56,21 +58,27 @@ def bundles_for(root: Path, layers: int) -> Path:
     return client
 
 
-def client_ms_per_token(client_dir: Path) -> float:
-    """Median wall time of one decode token's client work, after the sample prompt."""
+def client_cost(client_dir: Path) -> tuple[float, int]:
+    """Wall time of one decode token's client work after the sample prompt (the median of a run of
+    DECODE_STEPS tokens, best of REPEATS runs: other load on the machine only ever adds), and the
+    number of weights that work reads."""
     bundle = ClientBundle.open(client_dir)
     model, tokenizer = ClientModel(bundle), bundle.tokenizer()
     ids = render(tokenizer, [{"role": "user", "content": DEFAULT_PROMPT}])
-    cache = model.new_cache()
-    residual = model.cloak(ids, cache)[-1:]  # stands in for the server's answer: same shape, same work
-    times = []
-    for step in range(DECODE_STEPS):
-        started = time.perf_counter()
-        hidden = model.cloak([ids[step % len(ids)]], cache)
-        model.logits(residual)
-        times.append(time.perf_counter() - started)
-        residual = hidden
-    return 1000 * statistics.median(times[4:])
+    runs = []
+    for _ in range(REPEATS):
+        cache = model.new_cache()
+        residual = model.cloak(ids, cache)[-1:]  # stands in for the server's answer: same shape, same work
+        times = []
+        for step in range(DECODE_STEPS):
+            started = time.perf_counter()
+            hidden = model.cloak([ids[step % len(ids)]], cache)
+            model.logits(residual)
+            times.append(time.perf_counter() - started)
+            residual = hidden
+        runs.append(statistics.median(times))
+    params = sum(p.numel() for p in model.layers.parameters()) + model.lm_head.numel()
+    return 1000 * min(runs), params
 
 
 def measure(root: Path, layers: int) -> Row:
@@ -83,19 +91,19 @@ def measure(root: Path, layers: int) -> Row:
     return Row(layers, m("norms", "user_rate"), m("norms_raw", "user_rate"), m("gram", "auc_within"),
                m("gram", "auc_across"), m("vocabulary", "user_rate"), m("kv", "user_rate"),
                m("vocabulary", "full_scans") + m("kv", "full_scans"), report.seconds, budget.prompt_tokens,
-               budget_seconds, client_ms_per_token(client))
+               budget_seconds, *client_cost(client))
 
 
 def table(rows: list[Row]) -> str:
     base = rows[0].ms_per_token
     lines = ["| client layers | norm matching | Gram AUC (within / across) | vocabulary matching | K/V inversion "
-             "| audit time (sample / 60 tokens) | client ms per token |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             "| audit time (sample / 60 tokens) | client weights read per token | client ms per token |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         lines.append(f"| {r.client_layers} | {100 * r.norms:.0f} % (raw embeddings: {100 * r.norms_raw:.0f} %) "
                      f"| {r.auc_within:.3f} / {r.auc_across:.3f} | {100 * r.vocabulary:.0f} % | {100 * r.kv:.0f} % "
-                     f"| {r.audit_seconds:.0f} s / {r.budget_seconds:.0f} s "
-                     f"| {r.ms_per_token:.2f} ({r.ms_per_token / base:.2f}x) |")
+                     f"| {r.audit_seconds:.0f} s / {r.budget_seconds:.0f} s | {r.params_per_token / 1e6:.1f} M "
+                     f"| {r.ms_per_token:.1f} ({r.ms_per_token / base:.2f}x) |")
     return "\n".join(lines)
 
 
@@ -103,8 +111,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--bundles", type=Path, help="where to keep the prepared bundles (default: a temp dir)")
     parser.add_argument("--layers", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--cost-only", action="store_true", help="only the client's cost per token")
     args = parser.parse_args()
     root = args.bundles or Path(tempfile.mkdtemp(prefix="infemeral-tradeoff-"))
+    if args.cost_only:
+        for layers in args.layers:
+            ms, params = client_cost(bundles_for(root, layers))
+            print(f"client_layers={layers}: {ms:.2f} ms per token, {params / 1e6:.1f} M weights read", flush=True)
+        return
     rows = []
     for layers in args.layers:
         rows.append(measure(root, layers))

@@ -116,10 +116,10 @@ def test_vocabulary_matching_collapses_with_a_wrong_basis(bundles, client_half):
     seen = observe(model, tokenizer, messages("My password is Tr0ub4dor&3."))
     basis = ClientBundle.open(bundles.client_dir).basis().double()
     weights = PublicWeights.simulated(model, None, basis)
-    tables = VocabularyTables(weights)
-    right = match_vocabulary(weights, tables, seen.hidden, basis)
+    tables = VocabularyTables(weights)  # one table (tokens in isolation) serves both runs
+    right = match_vocabulary(weights, tables, seen.hidden, basis, context_tokens=0)
     wrong = match_vocabulary(weights, tables, seen.hidden, random_orthogonal(model.hidden_size, b"\7" * 32),
-                             full_scan=False, context_tokens=0)
+                             context_tokens=0, stages=(16, 256), full_scan=False)
     assert right.num_correct(seen.token_ids) == seen.num_tokens and right.num_verified == seen.num_tokens
     assert wrong.num_correct(seen.token_ids) <= 0.1 * seen.num_tokens
     assert wrong.num_verified == 0
@@ -166,3 +166,26 @@ def test_cli_bad_input_is_one_line_and_exit_code_2(case, bundles, tmp_path, caps
     expected = {"empty": "empty", "blank": "empty", "stdin-empty": "empty", "too-long": "context",
                 "missing-bundle": "not an infemeral bundle", "server-bundle": "server-bundle"}[case]
     assert expected in err
+
+
+def test_cli_passes_the_prompt_and_prints_json_or_text(report, bundles, capsys, monkeypatch):
+    import io
+
+    import infemeral.audit
+
+    calls = []
+    monkeypatch.setattr(infemeral.audit, "audit",
+                        lambda prompt, bundle, **kw: calls.append((prompt, bundle, kw)) or report)
+    monkeypatch.setattr("sys.stdin", io.StringIO("text from stdin"))
+    assert cli.main(["audit", "-", "--json", "--quiet", "--client-bundle", str(bundles.client_dir),
+                     "--wire-dtype", "bfloat16"]) == 0
+    prompt, bundle, kw = calls[-1]
+    assert prompt == "text from stdin" and str(bundle) == str(bundles.client_dir)
+    assert kw["wire_dtype"] == "bfloat16" and kw["progress"] is False and kw["public_model"] is None
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["rows"] and all("recovered_text" not in r for r in printed["rows"])
+
+    assert cli.main(["audit", "--show-tokens", "--quiet", "--client-bundle", str(bundles.client_dir)]) == 0
+    assert calls[-1][0] is None  # no prompt: the built-in sample
+    out = capsys.readouterr().out
+    assert "vocabulary matching" in out and PROMPT in out

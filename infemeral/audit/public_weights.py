@@ -88,7 +88,8 @@ class PublicWeights:
 
     @torch.inference_mode()
     def served_keys_values(self, hidden: torch.Tensor, position: int) -> torch.Tensor:
-        """Keys and values the first served layer writes for `hidden` [B, d] at `position`: [B, 2 * kv_heads * head_dim]."""
+        """Keys and values the first served layer writes for `hidden` [B, d] at `position`:
+        [B, 2 * kv_heads * head_dim], keys first."""
         x = hidden.unsqueeze(1)
         positions = torch.full((hidden.shape[0], 1), position, dtype=torch.long)
         capture = _Capture()
