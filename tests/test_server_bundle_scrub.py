@@ -39,7 +39,8 @@ def server_bundle_text(server_dir: Path) -> str:
 def tiny_llama(seed: int = 0):
     torch.manual_seed(seed)
     config = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=128, tie_word_embeddings=False)
+                         num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=128,
+                         tie_word_embeddings=False)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
 

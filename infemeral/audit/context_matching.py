@@ -25,7 +25,8 @@ from infemeral.audit.public_weights import PublicWeights
 from infemeral.audit.tables import VocabularyTables
 
 STAGES = (16, 256, 4096)  # candidates verified in context before a full scan
-TOLERANCE = 0.02          # relative error of a match; bf16 on the wire gives ~3e-3, a wrong token > 0.1
+TOLERANCE = 0.02          # relative error of a match: the true token is within 2e-3 even with bf16 on the wire,
+                          # the closest wrong one was 8e-2 off (default model, docs/privacy_audit.md)
 CONTEXT_TOKENS = 8        # after this many recovered tokens, prefilter with a table in their context
 CHUNK_ELEMENTS = 1 << 25  # bounds the memory of one batch of continuations (prefix keys repeated per candidate)
 MAX_CHUNK = 4096

@@ -43,7 +43,8 @@ def _connection_and_sampling(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="infemeral-client", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Chat with a large model on a remote GPU without the GPU ever seeing your text.")
+        description="Chat with a large model on a remote GPU. Text, token ids and logits stay on this machine; "
+                    "`infemeral-client audit` shows what the GPU's operator could still recover during a turn.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("prepare", help="split a model into a private client bundle and a rotated server bundle",
