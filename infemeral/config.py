@@ -82,6 +82,12 @@ class ClientSettings(BaseSettings):
     tls_server_name: str | None = Field(None, description="name to check in the server certificate "
                                                           "(default: the host in --server)")
     api_key: str | None = Field(None, description="API key the server asks for")
+    client_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="dtype of the laptop's half (auto: the bundle's; bfloat16 with int8 weights)")
+    client_device: Literal["auto", "cpu", "cuda", "mps"] = Field(
+        "auto", description="where the laptop's half runs (auto: cuda, else mps, else cpu)")
+    client_quant: Literal["auto", "none", "int8"] = Field(
+        "auto", description="int8: int8 weight-only LM head and local layers (auto: what the bundle holds)")
     max_new_tokens: int = Field(256, ge=1, description="most tokens to generate per answer")
     temperature: float = Field(0.0, ge=0, description="sampling temperature; 0 is greedy")
     top_k: int = Field(0, ge=0, description="sample from the k most likely tokens (0: off)")

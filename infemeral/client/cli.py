@@ -14,6 +14,7 @@ from infemeral.errors import InfemeralError
 
 CONNECTION = ("server", "client_bundle", "timeout", "tls_ca", "tls_client_cert", "tls_client_key", "tls_server_name",
               "api_key")
+LOCAL_COMPUTE = ("client_dtype", "client_device", "client_quant")
 SAMPLING = ("max_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "seed", "stop")
 SPECULATION = ("speculate", "max_draft", "draft_model", "answer_index", "answer_index_dir", "answer_index_tokens")
 
@@ -30,8 +31,14 @@ INFEMERAL_SERVER=pod.example.com:50051 or INFEMERAL_TEMPERATURE=0.7.
 """
 
 
+def _local_compute(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("laptop half (speed against exactness; see README)")
+    add_settings_flags(group, ClientSettings, LOCAL_COMPUTE)
+
+
 def _connection_and_sampling(parser: argparse.ArgumentParser) -> None:
     add_settings_flags(parser, ClientSettings, CONNECTION)
+    _local_compute(parser)
     group = parser.add_argument_group("sampling")
     add_settings_flags(group, ClientSettings, SAMPLING)
     group = parser.add_argument_group("speculative decoding (several tokens per round trip; same output)")
@@ -60,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--client-layers", type=int, default=1, help="decoder layers run on the client (default: 1)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="dtype the bundles are stored in (default: float32)")
+    p.add_argument("--client-quant", default="none", choices=["none", "int8"],
+                   help="int8: store the client's layers, embedding and LM head as int8 with per-row scales "
+                        "(a client bundle ~4x smaller than float32; it then always runs with int8 weights)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
     g = sub.add_parser("generate", help="answer one prompt, streaming the text",
@@ -78,8 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_settings_flags(c, ClientSettings, ("sessions_dir",))
     _connection_and_sampling(c)
 
-    i = sub.add_parser("info", help="show what the server serves")
+    i = sub.add_parser("info", help="show what the server serves and how the laptop's half computes")
     add_settings_flags(i, ClientSettings, CONNECTION)
+    _local_compute(i)
 
     f = sub.add_parser("forget-answers", help="clear the answer index (earlier answers kept for drafting)",
                        description="Delete the answer index: the token ids of earlier answers this client keeps "
@@ -128,7 +139,7 @@ def cmd_prepare(args) -> int:
     output = args.output or DATA_HOME / "bundles" / "default"
     result = prepare(None if args.model == "default" else args.model, output, client_dir=args.client_dir,
                      server_dir=args.server_dir, client_layers=args.client_layers, dtype=args.dtype,
-                     progress=not args.quiet)
+                     progress=not args.quiet, client_quant=args.client_quant)
     print(f"client bundle (keep private): {result.client_dir}")
     print(f"server bundle (upload to the pod): {result.server_dir}")
     print(f"server fingerprint: {result.fingerprint}")
@@ -144,7 +155,9 @@ def _client(settings: ClientSettings):
                              "model's tokenizer)")
     client = Client(settings.server, settings.client_bundle, timeout=settings.timeout, tls_ca=settings.tls_ca,
                     tls_client_cert=settings.tls_client_cert, tls_client_key=settings.tls_client_key,
-                    tls_server_name=settings.tls_server_name, api_key=settings.api_key)
+                    tls_server_name=settings.tls_server_name, api_key=settings.api_key,
+                    client_dtype=settings.client_dtype, client_device=settings.client_device,
+                    client_quant=settings.client_quant)
     try:
         if settings.speculate != "off" and settings.answer_index:
             client.answer_index = AnswerIndex.for_tokenizer(settings.answer_index_dir, client.tokenizer,
@@ -259,6 +272,7 @@ def cmd_info(args) -> int:
         print(json_format.MessageToJson(info, preserving_proto_field_name=True, always_print_fields_with_no_presence=True))
         match = info.bundle_fingerprint == client.bundle.server_fingerprint
         print(f"client bundle matches server bundle: {'yes' if match else 'NO'}")
+        print(f"laptop half: {client.model.compute.describe()}, {client.model.memory_bytes() / 2**20:.0f} MiB")
     return 0 if match else 1
 
 

@@ -3,40 +3,171 @@
 Embedding, the first `client_layers` decoder layers (plain weights, their own
 small KV cache), the secret basis, final norm and LM head. What leaves this
 object for the server is only `hidden @ Q`; what comes back is un-rotated here.
+
+It computes in a dtype, on a device and with weights in full precision or int8
+(`ClientCompute`). The default follows the bundle: a float32 bundle runs in
+float32 on the CPU and stays token-identical to plain transformers; lower
+precision, int8 weights and local accelerators trade that identity for speed,
+and their agreement with float32 is measured (`infemeral.eval.agreement`).
 """
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 
-from infemeral.cloak.bundle import ClientBundle
+import torch
+from safetensors import safe_open
+from transformers import PretrainedConfig
+
+from infemeral.cloak.bundle import DTYPES, ClientBundle, dtype_name
+from infemeral.client import quantize
+from infemeral.errors import FailedPrecondition, InfemeralError
 from infemeral.kvcache.cache import KVCache
 from infemeral.model import architecture
 from infemeral.model.layers import LayerStack
 
+DEVICES = ("auto", "cpu", "cuda", "mps")
+
+
+@dataclass(frozen=True)
+class ClientCompute:
+    """How the client half computes: activation dtype, device, and whether its weights are int8."""
+
+    dtype: torch.dtype
+    device: torch.device
+    quant: str  # "none" or "int8"
+
+    def describe(self) -> str:
+        weights = "int8 weights" if self.quant == "int8" else f"{dtype_name(self.dtype)} weights"
+        return f"{dtype_name(self.dtype)} on {self.device}, {weights}"
+
+
+def auto_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return auto_device()
+    if name.split(":")[0] not in DEVICES:
+        raise ValueError(f"client device must be one of {', '.join(DEVICES)}, not {name!r}")
+    device = torch.device(name)
+    available = {"cpu": True, "cuda": torch.cuda.is_available(),
+                 "mps": getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()}
+    if not available[device.type]:
+        raise InfemeralError(f"client device {name!r} is not available to torch on this machine; "
+                             "use --client-device cpu or auto")
+    return device
+
+
+def resolve_compute(stored_dtype: torch.dtype, stored_quant: str, dtype: str = "auto", device: str = "auto",
+                    quant: str = "auto") -> ClientCompute:
+    """Turn the requested settings ("auto" or a name) into a ClientCompute for a bundle stored as given.
+
+    auto quant: what the bundle holds. auto dtype: the bundle's dtype; bfloat16 for int8 weights (the CPU
+    int8 kernel is fast with bf16 activations). auto device: cuda, else mps, else cpu.
+    """
+    if quant not in ("auto", *quantize.QUANT_MODES):
+        raise ValueError(f"client quant must be auto, none or int8, not {quant!r}")
+    if dtype != "auto" and dtype not in DTYPES:
+        raise ValueError(f"client dtype must be auto, {', '.join(DTYPES)}, not {dtype!r}")
+    quant = stored_quant if quant == "auto" else quant
+    if quant == "none" and stored_quant == "int8":
+        raise FailedPrecondition("this client bundle was prepared with --client-quant int8 and holds no "
+                                 "full-precision weights; run with --client-quant int8 (or auto), or prepare the "
+                                 "bundles again without --client-quant to get them back")
+    if dtype == "auto":
+        torch_dtype = torch.bfloat16 if quant == "int8" else stored_dtype
+    else:
+        torch_dtype = DTYPES[dtype]
+    return ClientCompute(torch_dtype, _device(device), quant)
+
+
+class DenseTokenTable:
+    """A [vocab, d] table in the compute dtype; a tied model uses one for its embedding and its head."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.weight[ids]
+
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden @ self.weight.T
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.weight]
+
 
 class ClientModel:
-    def __init__(self, bundle: ClientBundle, dtype: torch.dtype = torch.float32):
+    def __init__(self, bundle: ClientBundle, dtype: str | torch.dtype = "auto", device: str = "auto",
+                 quant: str = "auto"):
+        with safe_open(str(bundle.directory / "client.safetensors"), framework="pt") as f:
+            self._build(bundle.config, bundle.client_layers, _LazyTensors(f), bundle.basis(), dtype, device, quant)
         self.bundle = bundle
-        self.config = bundle.config
-        self.dtype = dtype
-        tensors = bundle.tensors()
-        n = bundle.client_layers
-        per_layer = [{k.split(".", 2)[2]: v for k, v in tensors.items() if k.startswith(f"layers.{i}.")}
-                     for i in range(n)]
-        self.layers = LayerStack(self.config, 0, per_layer, dtype=dtype)
-        self.embed = tensors["embed_tokens.weight"].to(dtype)
-        self.lm_head = tensors.get("lm_head.weight", tensors["embed_tokens.weight"]).to(dtype)
-        norm_cls = architecture.norm_class(self.config)
-        self.norm = norm_cls(self.config.hidden_size, eps=self.config.rms_norm_eps)
-        self.norm.weight.data = tensors["norm.weight"].to(dtype)
+
+    @classmethod
+    def from_tensors(cls, config: PretrainedConfig, client_layers: int, tensors: Mapping[str, torch.Tensor],
+                     basis: torch.Tensor, dtype: str | torch.dtype = "auto", device: str = "auto",
+                     quant: str = "auto") -> "ClientModel":
+        """A client half from tensors named as in a client bundle (benchmarks and evaluations build them in memory)."""
+        self = cls.__new__(cls)
+        self._build(config, client_layers, tensors, basis, dtype, device, quant)
+        self.bundle = None
+        return self
+
+    def _build(self, config, client_layers, tensors, basis, dtype, device, quant) -> None:
+        self.config = config
+        stored_quant = "int8" if "embed_tokens.scale" in tensors.keys() else "none"
+        dtype = dtype_name(dtype) if isinstance(dtype, torch.dtype) else dtype
+        self.compute = resolve_compute(tensors["norm.weight"].dtype, stored_quant, dtype, device, quant)
+        self.dtype, self.device = self.compute.dtype, self.compute.device
+        is_int8 = self.compute.quant == "int8"
+        per_layer = [self._layer_weights(tensors, i, stored_quant) for i in range(client_layers)]
+        self.layers = LayerStack(config, 0, per_layer, dtype=self.dtype, device=self.device,
+                                 adapt_layer=quantize.use_int8_linears if is_int8 else None)
+        del per_layer
+        self.embed = self._table(tensors, "embed_tokens", stored_quant)
+        self.head = self._table(tensors, "lm_head", stored_quant) if "lm_head.weight" in tensors.keys() else self.embed
+        norm_cls = architecture.norm_class(config)
+        self.norm = norm_cls(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm.weight.data = tensors["norm.weight"].to(self.device, self.dtype)
         self.norm.requires_grad_(False)
-        self.basis = bundle.basis().to(dtype)
-        self.inv_freq = self.layers.rotary.inv_freq.detach().to(torch.float64)  # pure RoPE angles for the window
+        self.basis = basis.to(self.device, self.dtype)
+        self.inv_freq = self.layers.rotary.inv_freq.detach().cpu().to(torch.float64)  # pure RoPE angles for the window
+
+    def _layer_weights(self, tensors, index: int, stored_quant: str) -> dict[str, torch.Tensor]:
+        prefix = f"layers.{index}."
+        weights = {name[len(prefix):]: tensors[name] for name in tensors.keys() if name.startswith(prefix)}
+        if self.compute.quant == "int8" and stored_quant == "none":
+            weights = quantize.quantize_layer(weights)
+        # int8 codes keep their dtype; LayerStack casts the float tensors (norms, scales, biases) to the compute dtype
+        return {k: quantize.aligned(v.to(self.device)) if v.dtype == torch.int8 else v for k, v in weights.items()}
+
+    def _table(self, tensors, name: str, stored_quant: str):
+        if self.compute.quant == "int8":
+            if stored_quant == "int8":
+                codes, scales = tensors[f"{name}.weight"], tensors[f"{name}{quantize.SCALE_SUFFIX}"]
+            else:
+                codes, scales = quantize.quantize_rows(tensors[f"{name}.weight"])
+            return quantize.Int8TokenTable(codes, scales, self.dtype, self.device)
+        return DenseTokenTable(tensors[f"{name}.weight"].to(self.device, self.dtype))
 
     @property
     def hidden_size(self) -> int:
         return self.config.hidden_size
+
+    def memory_bytes(self) -> int:
+        """Bytes of every weight this client half holds (each storage counted once: a tied table once)."""
+        tensors = [*self.layers.parameters(), *self.layers.buffers(), *self.embed.tensors(), *self.head.tensors(),
+                   self.norm.weight, self.basis]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+        return sum(storages.values())
 
     def new_cache(self) -> KVCache:
         return self.layers.new_cache()
@@ -44,12 +175,31 @@ class ClientModel:
     @torch.inference_mode()
     def cloak(self, token_ids: list[int], cache: KVCache) -> torch.Tensor:
         """Embed new tokens, run the local layers, and rotate into the secret basis: [n, d]."""
-        ids = torch.tensor(token_ids, dtype=torch.long)
-        hidden = self.layers(self.embed[ids], cache)
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        hidden = self.layers(self.embed.lookup(ids), cache)
         return hidden @ self.basis
 
     @torch.inference_mode()
     def logits(self, residual: torch.Tensor) -> torch.Tensor:
-        """Un-rotate the server's final residual [n, d] and apply final norm and LM head: [n, vocab]."""
-        hidden = residual.to(self.dtype) @ self.basis.T
-        return (self.norm(hidden.unsqueeze(0))[0] @ self.lm_head.T).float()
+        """Un-rotate the server's final residual [n, d] and apply final norm and LM head: [n, vocab], float32 on CPU."""
+        hidden = residual.to(self.device, self.dtype) @ self.basis.T
+        return self.head.project(self.norm(hidden.unsqueeze(0))[0]).float().cpu()
+
+
+class _LazyTensors(Mapping):
+    """A client bundle's tensors read one at a time, so loading never holds the file and its conversion at once."""
+
+    def __init__(self, handle):
+        self._handle = handle
+        self._names = list(handle.keys())
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._names:
+            raise KeyError(name)
+        return self._handle.get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)

@@ -53,19 +53,27 @@ class Client:
     Speculative decoding drafts from the conversation itself; `answer_index` (a directory, or an
     `AnswerIndex`) also drafts from this client's earlier answers, kept in an owner-only file there;
     `draft_model` (a local model directory or .gguf file with this model's tokenizer, or a ready
-    `DraftSource`) enables `SamplingParams(speculate="draft")`."""
+    `DraftSource`) enables `SamplingParams(speculate="draft")`.
+
+    `client_dtype` (auto, float32, bfloat16, float16), `client_device` (auto, cpu, cuda, mps) and
+    `client_quant` (auto, none, int8) choose how the local half computes; None takes
+    INFEMERAL_CLIENT_* or auto."""
 
     def __init__(self, server: str = "127.0.0.1:50051", client_bundle: str | Path | None = None, *,
                  timeout: float = 600.0, options: list | None = None, interceptors: list | None = None,
                  tls_ca: str | Path | None = None, tls_client_cert: str | Path | None = None,
                  tls_client_key: str | Path | None = None, tls_server_name: str | None = None,
                  api_key: str | None = None, answer_index: str | Path | AnswerIndex | None = None,
-                 draft_model: str | Path | DraftSource | None = None):
+                 draft_model: str | Path | DraftSource | None = None, client_dtype: str | None = None,
+                 client_device: str | None = None, client_quant: str | None = None):
         from infemeral.config import ClientSettings
 
-        bundle_dir = client_bundle if client_bundle is not None else ClientSettings().client_bundle
-        self.bundle = ClientBundle.open(bundle_dir)
-        self.model = ClientModel(self.bundle)
+        given = dict(client_bundle=client_bundle, client_dtype=client_dtype, client_device=client_device,
+                     client_quant=client_quant)
+        settings = ClientSettings(**{k: v for k, v in given.items() if v is not None})
+        self.bundle = ClientBundle.open(settings.client_bundle)
+        self.model = ClientModel(self.bundle, dtype=settings.client_dtype, device=settings.client_device,
+                                 quant=settings.client_quant)
         self.tokenizer = self.bundle.tokenizer()
         gen = self.bundle.generation_config()
         eos = gen.eos_token_id if gen.eos_token_id is not None else []

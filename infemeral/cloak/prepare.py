@@ -23,6 +23,7 @@ from infemeral.cloak.basis import random_orthogonal
 from infemeral.cloak.rotate import rotate_layer
 from infemeral.cloak.server_config import write_server_config
 from infemeral.cloak.sources import WeightSource, layer_tensors, open_source
+from infemeral.client.quantize import QUANT_MODES, SCALE_SUFFIX, quantize_layer, quantize_rows
 
 log = logging.getLogger(__name__)
 
@@ -37,14 +38,20 @@ class PreparedBundles:
 def prepare(model: str | Path | None = None, output: str | Path = "bundles", *,
             client_dir: str | Path | None = None, server_dir: str | Path | None = None,
             client_layers: int = 1, dtype: str = "float32", progress: bool = True,
-            source: WeightSource | None = None, basis_seed: bytes | None = None) -> PreparedBundles:
+            source: WeightSource | None = None, basis_seed: bytes | None = None,
+            client_quant: str = "none") -> PreparedBundles:
     """Prepare bundles from `model` (None for the packaged SmolLM2, a directory, Hub id or .gguf).
 
     Writes `<output>/client` (owner-only, keep it private) and `<output>/server`
     (upload it to the pod) unless client_dir / server_dir say otherwise.
+    `client_quant="int8"` stores the client's layers, embedding and LM head as int8
+    codes with a scale per row: a bundle about a quarter of the float32 size, which
+    then always runs with int8 weights (the full-precision weights are not kept).
     """
     if dtype not in B.DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(B.DTYPES)}, got {dtype!r}")
+    if client_quant not in QUANT_MODES:
+        raise ValueError(f"client_quant must be one of {', '.join(QUANT_MODES)}, got {client_quant!r}")
     torch_dtype = B.DTYPES[dtype]
     output = Path(output).expanduser()
     client_dir = Path(client_dir).expanduser() if client_dir else output / "client"
@@ -71,17 +78,27 @@ def prepare(model: str | Path | None = None, output: str | Path = "bundles", *,
             if not weights:
                 raise ValueError(f"{source.description} has no tensors for decoder layer {i}")
             if i < client_layers:
-                client_tensors.update({f"layers.{i}.{k}": v.to(torch_dtype).contiguous() for k, v in weights.items()})
+                weights = {k: v.to(torch_dtype).contiguous() for k, v in weights.items()}
+                if client_quant == "int8":
+                    weights = quantize_layer(weights)
+                client_tensors.update({f"layers.{i}.{k}": v for k, v in weights.items()})
                 continue
             name = B.layer_file(i)
             save_file(rotate_layer(weights, q64, torch_dtype), str(server_tmp / name))
             files[name] = B.sha256_file(server_tmp / name)
             del weights
 
-        client_tensors["embed_tokens.weight"] = source.take("model.embed_tokens.weight").to(torch_dtype)
-        client_tensors["norm.weight"] = source.take("model.norm.weight").to(torch_dtype)
+        tables = {"embed_tokens": "model.embed_tokens.weight"}
         if not getattr(config, "tie_word_embeddings", False) and source.has("lm_head.weight"):
-            client_tensors["lm_head.weight"] = source.take("lm_head.weight").to(torch_dtype)
+            tables["lm_head"] = "lm_head.weight"
+        for name, source_name in tables.items():
+            table = source.take(source_name).to(torch_dtype)
+            if client_quant == "int8":
+                client_tensors[f"{name}.weight"], client_tensors[f"{name}{SCALE_SUFFIX}"] = quantize_rows(table)
+            else:
+                client_tensors[f"{name}.weight"] = table
+            del table
+        client_tensors["norm.weight"] = source.take("model.norm.weight").to(torch_dtype)
         save_file(client_tensors, str(client_tmp / "client.safetensors"))
         save_file({"basis": basis.contiguous()}, str(client_tmp / "basis.safetensors"))
 
@@ -104,7 +121,7 @@ def prepare(model: str | Path | None = None, output: str | Path = "bundles", *,
         (client_tmp / "manifest.json").write_text(json.dumps({
             "format": B.CLIENT_FORMAT, "format_version": B.FORMAT_VERSION,
             "model_type": config.model_type, "hidden_size": d, "dtype": dtype,
-            "client_layers": client_layers, "total_layers": total,
+            "client_layers": client_layers, "total_layers": total, "client_quant": client_quant,
             "server_fingerprint": manifest["fingerprint"], "source": source.description,
         }, indent=2))
         B.restrict_tree(client_tmp)

@@ -1,9 +1,8 @@
 """Where prepare() reads a model from: a local directory, a Hub id, or a GGUF file.
 
-Safetensors checkpoints are read tensor by tensor (safe_open), so preparing a
-large model never holds more than a layer at a time. GGUF files are quantised
-and need transformers' dequantiser, which loads the whole model; that is fine
-for the small packaged default model.
+Safetensors checkpoints and GGUF files are both read tensor by tensor, so
+preparing a large model never holds more than a layer (plus the embedding) at a
+time.
 """
 
 from __future__ import annotations
@@ -12,9 +11,11 @@ import copy
 import importlib.util
 import json
 import logging
+import mmap
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig
 
@@ -64,7 +65,11 @@ class WeightSource:
 
 
 class SafetensorsSource(WeightSource):
-    """A local Hugging Face checkpoint directory with *.safetensors files."""
+    """A local Hugging Face checkpoint directory with *.safetensors files.
+
+    Each tensor is read through its own short-lived `safe_open`, so the file's pages are unmapped
+    again right away: the process never holds more of the checkpoint than prepare is working on.
+    """
 
     def __init__(self, directory: Path):
         from safetensors import safe_open
@@ -81,8 +86,10 @@ class SafetensorsSource(WeightSource):
             files = sorted(p.name for p in directory.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"no *.safetensors files in {directory}")
-        self._handles = {f: safe_open(str(directory / f), framework="pt") for f in files}
-        self._where = {name: f for f, h in self._handles.items() for name in h.keys()}
+        self._where = {}
+        for f in files:
+            with safe_open(str(directory / f), framework="pt") as handle:
+                self._where.update({name: f for name in handle.keys()})
 
     def tokenizer(self):
         return AutoTokenizer.from_pretrained(self.directory)
@@ -97,7 +104,10 @@ class SafetensorsSource(WeightSource):
         return list(self._where)
 
     def take(self, name: str) -> torch.Tensor:
-        return self._handles[self._where[name]].get_tensor(name)
+        from safetensors import safe_open
+
+        with safe_open(str(self.directory / self._where[name]), framework="pt") as handle:
+            return handle.get_tensor(name)
 
 
 class ModelSource(WeightSource):
@@ -126,18 +136,67 @@ class ModelSource(WeightSource):
         return self._tensors.pop(name)
 
 
-class GGUFSource(ModelSource):
-    """A GGUF file, dequantised by transformers (needs the `gguf` package)."""
+class GGUFSource(WeightSource):
+    """A GGUF file, dequantised one tensor at a time (needs the `gguf` package).
+
+    The names, the q/k un-permutation and the dequantisation are transformers' own (the code its
+    GGUF loader runs), applied per tensor as prepare asks for it, so peak memory stays near one
+    layer plus the embedding instead of the whole dequantised model. Pages of the memory-mapped file
+    are released after each tensor, so they do not pile up either.
+    """
 
     def __init__(self, path: Path):
+        from gguf import GGUFReader
         from transformers import AutoModelForCausalLM
+        from transformers.modeling_gguf_pytorch_utils import (
+            TENSOR_PROCESSORS,
+            TensorProcessor,
+            get_gguf_hf_weights_map,
+            read_field,
+        )
 
-        check_supported(AutoConfig.from_pretrained(path.parent, gguf_file=path.name))
-        log.info("dequantising %s", path.name)
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        super().__init__(model, tokenizer, str(path))
-        del model
+        self.path = path
+        self.description = str(path)
+        self.config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        check_supported(self.config)
+        log.info("reading %s tensor by tensor", path.name)
+        self._reader = GGUFReader(path)
+        architecture = read_field(self._reader, "general.architecture")[0]
+        # the processor reads head counts from the config dict transformers' loader passes it (same keys)
+        self._processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=self.config.to_dict())
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(self.config)
+        self._hf_names = get_gguf_hf_weights_map(skeleton, self._processor)
+        self._by_name = {self._hf_names[t.name]: t for t in self._reader.tensors if t.name in self._hf_names}
+
+    def tokenizer(self):
+        return AutoTokenizer.from_pretrained(self.path.parent, gguf_file=self.path.name)
+
+    def generation_config(self) -> GenerationConfig:
+        return GenerationConfig.from_model_config(self.config)
+
+    def names(self) -> list[str]:
+        return list(self._by_name)
+
+    def take(self, name: str) -> torch.Tensor:
+        from gguf import dequantize
+
+        tensor = self._by_name.pop(name)
+        weights = dequantize(tensor.data, tensor.tensor_type)
+        result = self._processor.process(weights=weights, name=tensor.name, tensor_key_mapping=self._hf_names,
+                                         parsed_parameters={})
+        if self._hf_names.get(result.name) != name:
+            raise ValueError(f"{self.description}: tensor {tensor.name} maps to {result.name}, not {name}")
+        out = torch.from_numpy(np.copy(result.weights)).to(torch.float32)
+        del weights, result
+        self._release_pages()
+        return out
+
+    def _release_pages(self) -> None:
+        """Drop the file pages read so far from this process (they stay in the page cache)."""
+        mapped = getattr(self._reader.data, "_mmap", None)
+        if mapped is not None and hasattr(mmap, "MADV_DONTNEED"):
+            mapped.madvise(mmap.MADV_DONTNEED)
 
 
 def open_source(model: str | Path | None) -> WeightSource:

@@ -9,7 +9,7 @@ function (see `attention.py`) are ours.
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from transformers import PretrainedConfig
@@ -35,7 +35,10 @@ class LayerStack(torch.nn.Module):
 
     def __init__(self, config: PretrainedConfig, first_layer: int,
                  layer_weights: list[Mapping[str, torch.Tensor]],
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 adapt_layer: Callable[[torch.nn.Module], None] | None = None):
+        """`adapt_layer` may swap modules of each (meta-device) layer before its weights load, e.g. int8
+        linears; tensors that are not floating point (int8 codes) keep their dtype."""
         super().__init__()
         self.config = runtime_config(config)
         self.first_layer = first_layer
@@ -46,8 +49,10 @@ class LayerStack(torch.nn.Module):
         for i, weights in enumerate(layer_weights):
             with torch.device("meta"):
                 layer = layer_cls(self.config, first_layer + i)
-            layer.load_state_dict({k: v.to(self.device, dtype) for k, v in weights.items()},
-                                  strict=True, assign=True)
+            if adapt_layer is not None:
+                adapt_layer(layer)
+            layer.load_state_dict({k: v.to(self.device, dtype if v.is_floating_point() else v.dtype)
+                                   for k, v in weights.items()}, strict=True, assign=True)
             layers.append(layer.eval())
         self.layers = torch.nn.ModuleList(layers)
         self.rotary = architecture.rotary_embedding_class(config)(config=self.config).to(self.device)

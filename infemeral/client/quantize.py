@@ -1,0 +1,131 @@
+"""Int8 weight-only quantisation of the client's half: one scale per output row, torch's own kernel.
+
+Per decode token the laptop reads every weight of its LM head and local layers once; at a real
+vocabulary (128,256 rows) that read is the client's cost (DESIGN.md §10). Int8 codes with a scale per
+output row halve the read against bf16 and quarter it against fp32. The matmul is torch's
+`aten._weight_int8pack_mm` (activations in the compute dtype, int8 weights [N, K], scales [N]), fast on
+x86 CPUs with bf16 activations. Where it cannot run (no kernel for the device, or a width that is not a
+multiple of 16, which the CPU kernel reads in blocks of 16 without checking) the weights are dequantised
+for the call instead: slower, same numbers.
+
+Scales are rounded to bfloat16 before the codes are chosen, so the codes fit exactly the scale the
+kernel multiplies by when activations are bf16, and a bundle stores each scale once, losslessly.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+
+import torch
+
+# The decoder-layer linears the client quantises (every nn.Linear of a supported layer).
+QUANTIZED_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                     "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+QUANT_MODES = ("none", "int8")
+SCALE_SUFFIX = ".scale"  # bundle name of a quantised weight's scales: "<module>.scale" next to "<module>.weight"
+_ROWS_PER_CHUNK = 8192  # quantise big tables in slices, so a 128k-row head needs no full-size float copy
+_ALIGN = 64
+
+
+def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 codes [N, K] and a float32 scale per row [N] (a bfloat16 value): w ≈ codes * scale."""
+    codes = torch.empty(weight.shape, dtype=torch.int8)
+    scales = torch.empty(weight.shape[0], dtype=torch.float32)
+    for start in range(0, weight.shape[0], _ROWS_PER_CHUNK):
+        w = weight[start:start + _ROWS_PER_CHUNK].to("cpu", torch.float32)
+        amax = w.abs().amax(dim=1)
+        scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax)).to(torch.bfloat16).float()
+        codes[start:start + len(w)] = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+        scales[start:start + len(w)] = scale
+    return codes, scales
+
+
+def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (codes.float() * scales.float().unsqueeze(-1)).to(dtype)
+
+
+def quantize_layer(weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A decoder layer's state dict with every linear weight replaced by int8 codes + `.scale`."""
+    out = dict(weights)
+    for name in QUANTIZED_LINEARS:
+        out[f"{name}.weight"], out[f"{name}{SCALE_SUFFIX}"] = quantize_rows(weights[f"{name}.weight"])
+    return out
+
+
+@functools.cache
+def has_int8_kernel(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether `_weight_int8pack_mm` runs on this device with these activations (probed once)."""
+    try:
+        x = torch.ones(1, 32, dtype=dtype, device=device_type)
+        w = torch.ones(16, 32, dtype=torch.int8, device=device_type)
+        out = torch.ops.aten._weight_int8pack_mm(x, w, torch.ones(16, dtype=dtype, device=device_type))
+        return bool((out == 32).all())
+    except (NotImplementedError, RuntimeError):
+        return False
+
+
+def aligned(t: torch.Tensor) -> torch.Tensor:
+    """Contiguous with a 64-byte aligned start: the CPU kernel uses aligned vector loads on both operands."""
+    t = t.contiguous()
+    return t if t.data_ptr() % _ALIGN == 0 else t.clone()
+
+
+def int8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ (codes * scales)ᵀ -> [M, N] in x's dtype; `scales` already in x's dtype."""
+    if codes.shape[1] % 16 == 0 and has_int8_kernel(x.device.type, x.dtype):
+        return torch.ops.aten._weight_int8pack_mm(aligned(x), codes, scales)
+    return x @ dequantize_rows(codes, scales, x.dtype).T
+
+
+class Int8Linear(torch.nn.Module):
+    """Drop-in for a decoder layer's nn.Linear: int8 `weight` [out, in], `scale` [out], optional `bias`."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.int8))
+        self.register_buffer("scale", torch.empty(out_features))
+        self.register_buffer("bias", torch.empty(out_features) if bias else None)
+
+    @classmethod
+    def like(cls, linear: torch.nn.Linear) -> "Int8Linear":
+        return cls(linear.in_features, linear.out_features, linear.bias is not None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = int8_matmul(x.reshape(-1, self.in_features), self.weight, self.scale)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+def use_int8_linears(layer: torch.nn.Module) -> None:
+    """Swap a (meta-device) decoder layer's linears for Int8Linear before its weights are loaded."""
+    for name in QUANTIZED_LINEARS:
+        parent_name, attr = name.rsplit(".", 1)
+        parent = layer.get_submodule(parent_name)
+        with torch.device("meta"):
+            setattr(parent, attr, Int8Linear.like(getattr(parent, attr)))
+
+
+class Int8TokenTable:
+    """An int8 [vocab, d] table with per-row scales serving both the embedding lookup and the LM head.
+
+    A tied model keeps one table for both: the lookup dequantises only the rows it reads, the head
+    multiplies by the whole table through the int8 kernel.
+    """
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, device: torch.device):
+        self.codes = aligned(codes.to(device))
+        self.scales = scales.to(device, torch.float32)
+        self.kernel_scales = scales.to(device, dtype)
+        self.dtype = dtype
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        return dequantize_rows(self.codes[ids], self.scales[ids], self.dtype)
+
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        return int8_matmul(hidden, self.codes, self.kernel_scales)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.codes, self.scales, self.kernel_scales]
