@@ -101,8 +101,10 @@ def random_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, generat
 
 
 def write_checkpoint(out: Path, shape: str = "llama-3.2-3b", dtype: str = "bfloat16", shard_mb: int = 2048,
-                     seed: int = 0, progress: bool = True) -> Sizes:
-    """Write config, generation config, tokenizer and sharded weights to `out`; return the part sizes."""
+                     seed: int = 0, progress: bool = True, tokenizer_from: Path | None = None) -> Sizes:
+    """Write config, generation config, tokenizer and sharded weights to `out`; return the part sizes.
+
+    The tokenizer is copied from `tokenizer_from` (a saved tokenizer directory) or the packaged GGUF."""
     from tqdm.auto import tqdm
 
     out.mkdir(parents=True, exist_ok=True)
@@ -125,15 +127,18 @@ def write_checkpoint(out: Path, shape: str = "llama-3.2-3b", dtype: str = "bfloa
         {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     config.save_pretrained(out)
     GenerationConfig(bos_token_id=1, eos_token_id=2).save_pretrained(out)
-    _copy_tokenizer(out)
+    _copy_tokenizer(out, tokenizer_from)
     return sizes(config, torch_dtype)
 
 
-def _copy_tokenizer(out: Path) -> None:
+def _copy_tokenizer(out: Path, source: Path | None) -> None:
     from transformers import AutoTokenizer
 
     from infemeral.cloak.sources import default_gguf_path
 
+    if source is not None:
+        AutoTokenizer.from_pretrained(source).save_pretrained(out)
+        return
     gguf = default_gguf_path()
     AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
 

@@ -51,8 +51,7 @@ PROMPTS = (
     "Explain how rain forms, for a curious ten-year-old.",
     "Describe the life of a honeybee from egg to forager.",
 )
-TABLE_START = "<!-- agreement-table:start -->"
-TABLE_END = "<!-- agreement-table:end -->"
+MARKER = "<!-- agreement {} {} -->"  # start/end, model: regenerated blocks in the markdown file
 
 
 @dataclass
@@ -239,7 +238,7 @@ def table(results: list[Agreement]) -> str:
 
 def write_section(path: Path, heading: str, body: str) -> None:
     """Replace (or append) the block for `heading` between this module's markers."""
-    start, end = f"{TABLE_START} {heading} -->", f"{TABLE_END} {heading} -->"
+    start, end = MARKER.format("start", heading), MARKER.format("end", heading)
     block = f"{start}\n{body}\n{end}"
     text = path.read_text() if path.exists() else "# Client agreement with float32\n"
     if start in text and end in text:
@@ -268,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
                     "a fixed random token sequence")
         reference, candidates, server, sequences = setup
         results = measure(reference, candidates, server, sequences)
-    body = f"{what} ({sum(len(s.continuation) for s in sequences)} positions in {len(sequences)} sequences).\n\n"
+    count = sum(len(s.continuation) for s in sequences)
+    body = f"{what}: {count} positions in {len(sequences)} sequence{'s' if len(sequences) > 1 else ''}.\n\n"
     body += table(results)
     print(body)
     for r in results:

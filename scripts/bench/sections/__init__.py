@@ -20,7 +20,8 @@ from types import ModuleType
 
 from bench.harness import MachineLoad, Target
 
-ORDER = ("prepare", "decode", "context", "wire", "store", "concurrency", "agreement", "profile", "speculation")
+ORDER = ("prepare", "decode", "context", "wire", "store", "concurrency", "agreement", "profile", "speculation",
+         "client")
 
 
 @dataclass

@@ -1,0 +1,93 @@
+"""Preparing a model never holds the whole of it: GGUF and sharded safetensors are read tensor by tensor.
+
+Peak memory is measured on `infemeral-client prepare` in a child process (wait4's rusage of that child)
+against a child that does everything but the weights (imports, config, tokenizer), and compared with the
+size of the model.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "scripts"))
+
+import random_checkpoint  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+BASELINE = """
+import sys
+from pathlib import Path
+import infemeral.client.cli, infemeral.cloak.prepare
+from infemeral.cloak.sources import open_source
+source = open_source(sys.argv[1])
+source.tokenizer(); source.generation_config()
+"""
+
+
+def peak_rss_mb(cmd: list[str]) -> float:
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(proc.pid, 0)
+    err = proc.stderr.read().decode(errors="replace")
+    assert os.waitstatus_to_exitcode(status) == 0, err[-2000:]
+    return usage.ru_maxrss / 1024
+
+
+def prepare_cmd(model: str, out: Path, *flags: str) -> list[str]:
+    return [sys.executable, "-m", "infemeral.client.cli", "prepare", model, "--output", str(out), "--quiet", *flags]
+
+
+def test_gguf_is_read_tensor_by_tensor_exactly_as_transformers_dequantises_it(reference):
+    """Every tensor equals transformers' whole-model dequantisation of the packaged GGUF, bit for bit."""
+    from infemeral.cloak.sources import GGUFSource, default_gguf_path
+
+    model, _ = reference
+    source = GGUFSource(default_gguf_path())
+    expected = model.state_dict()
+    load_time = {"dtype", "quantization_config", "architectures", "_name_or_path"}  # set by from_pretrained
+
+    def config(c):
+        return {k: v for k, v in c.to_dict().items() if k not in load_time}
+
+    assert config(source.config) == config(model.config)
+    assert source.generation_config().to_dict() == model.generation_config.to_dict()
+    names = source.names()
+    assert set(names) == set(expected) - {"lm_head.weight"}  # tied: the head is the embedding
+    for name in names:
+        tensor = source.take(name)
+        assert tensor.dtype == expected[name].dtype and torch.equal(tensor, expected[name]), name
+
+
+def test_prepare_from_gguf_stays_well_below_the_whole_model(reference, tmp_path):
+    from infemeral.cloak.sources import default_gguf_path
+
+    model, _ = reference
+    whole_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20  # float32, ~515 MB
+    gguf = str(default_gguf_path())
+    base = peak_rss_mb([sys.executable, "-c", BASELINE, gguf])
+    peak = peak_rss_mb(prepare_cmd(gguf, tmp_path / "out"))
+    # the float32 embedding (108 MB) and one layer are needed; the whole dequantised model is not
+    assert peak - base < 0.5 * whole_mb, (peak, base, whole_mb)
+
+
+def test_prepare_of_a_sharded_checkpoint_stays_well_below_the_whole_model(bundles, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    sizes = random_checkpoint.write_checkpoint(ckpt, "small-llama", "bfloat16", shard_mb=100, progress=False,
+                                               tokenizer_from=bundles.client_dir / "tokenizer")
+    assert len(list(ckpt.glob("model-*.safetensors"))) >= 4
+    base = peak_rss_mb([sys.executable, "-c", BASELINE, str(ckpt)])
+    peak = peak_rss_mb(prepare_cmd(str(ckpt), tmp_path / "out", "--dtype", "bfloat16"))
+    model_mb = sizes.model / 2**20  # ~450 MB
+    assert peak - base < 0.4 * model_mb, (peak, base, model_mb)
+    # and the result is a working pair of bundles
+    from infemeral.cloak.bundle import ClientBundle, ServerBundle
+
+    assert ServerBundle.open(tmp_path / "out" / "server").num_layers == 31
+    assert ClientBundle.open(tmp_path / "out" / "client").client_layers == 1
