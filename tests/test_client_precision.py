@@ -22,7 +22,7 @@ from infemeral.cloak.sources import ModelSource
 from infemeral.client import quantize
 from infemeral.client.local_model import ClientModel, resolve_compute
 from infemeral.errors import FailedPrecondition, InfemeralError
-from infemeral.eval import agreement
+from infemeral.eval import client_precision
 from infemeral.model.layers import LayerStack
 from test_tiny_models import CONFIGS, PROMPT_LEN, build, split_logits, token_ids
 
@@ -194,10 +194,10 @@ def default_split(bundles):
     bundle = ClientBundle.open(bundles.client_dir)
     reference = ClientModel(bundle)
     tokenizer = bundle.tokenizer()
-    prompts = [agreement._chat_ids(tokenizer, p) for p in agreement.PROMPTS]
-    sequences = agreement.greedy_continuations(reference, server, prompts, 128, {tokenizer.eos_token_id},
-                                               min_total=512)
-    ref_logits = [agreement.teacher_forced_logits(reference, server, s) for s in sequences]
+    prompts = [client_precision.chat_prompt_ids(tokenizer, p) for p in client_precision.PROMPTS]
+    sequences = client_precision.greedy_continuations(reference, server, prompts, 128, {tokenizer.eos_token_id},
+                                                      min_total=512)
+    ref_logits = [client_precision.teacher_forced_logits(reference, server, s) for s in sequences]
     return bundle, server, sequences, ref_logits
 
 
@@ -207,10 +207,10 @@ def test_reduced_clients_agree_with_float32_on_the_default_model(default_split):
     assert sum(len(s.continuation) for s in sequences) >= 512
     for s, ref in zip(sequences, ref_logits):  # the teacher-forced float32 run picks the greedy tokens
         assert (ref.argmax(-1) == torch.tensor(s.continuation)).float().mean() >= 0.99
-    for label, kw in agreement.MODES.items():
+    for label, kw in client_precision.MODES.items():
         client = ClientModel(bundle, **kw)
-        result = agreement.compare(label, ref_logits,
-                                   [agreement.teacher_forced_logits(client, server, s) for s in sequences])
+        result = client_precision.compare(label, ref_logits,
+                                          [client_precision.teacher_forced_logits(client, server, s) for s in sequences])
         assert result.top1 >= TOP1_AT_LEAST[label], result
         assert result.max_logit_error <= MAX_LOGIT_ERROR_AT_MOST[label], result
         assert result.max_logit_error > 0  # really a reduced client
@@ -225,8 +225,8 @@ def test_agreement_collapses_when_int8_scales_are_broken(default_split):
     perm = torch.randperm(len(client.head.scales), generator=g)
     client.head.scales = client.head.scales[perm]
     client.head.kernel_scales = client.head.kernel_scales[perm]
-    result = agreement.compare("int8, shuffled scales", ref_logits,
-                               [agreement.teacher_forced_logits(client, server, s) for s in sequences])
+    result = client_precision.compare("int8, shuffled scales", ref_logits,
+                                      [client_precision.teacher_forced_logits(client, server, s) for s in sequences])
     assert result.top1 < TOP1_AT_LEAST["int8"]
 
 

@@ -1,14 +1,13 @@
 """Preparing a model never holds the whole of it: GGUF and sharded safetensors are read tensor by tensor.
 
-Peak memory is measured on `infemeral-client prepare` in a child process (wait4's rusage of that child)
-against a child that does everything but the weights (imports, config, tokenizer), and compared with the
-size of the model.
+Peak memory is measured on `infemeral-client prepare` in a child process (the benchmarks' `run_measured`:
+wait4's rusage of a child started from a fresh launcher, since a child of this big test process would
+inherit its peak) against a child that does everything but the weights (imports, config, tokenizer), and
+compared with the size of the model.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,12 +18,12 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "scripts"))
 
 import random_checkpoint  # noqa: E402
+from bench.instruments import run_measured  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 BASELINE = """
 import sys
-from pathlib import Path
 import infemeral.client.cli, infemeral.cloak.prepare
 from infemeral.cloak.sources import open_source
 source = open_source(sys.argv[1])
@@ -33,11 +32,7 @@ source.tokenizer(); source.generation_config()
 
 
 def peak_rss_mb(cmd: list[str]) -> float:
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(proc.pid, 0)
-    err = proc.stderr.read().decode(errors="replace")
-    assert os.waitstatus_to_exitcode(status) == 0, err[-2000:]
-    return usage.ru_maxrss / 1024
+    return run_measured(cmd)["peak_rss_mb"]
 
 
 def prepare_cmd(model: str, out: Path, *flags: str) -> list[str]:

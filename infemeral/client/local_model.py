@@ -8,7 +8,7 @@ It computes in a dtype, on a device and with weights in full precision or int8
 (`ClientCompute`). The default follows the bundle: a float32 bundle runs in
 float32 on the CPU and stays token-identical to plain transformers; lower
 precision, int8 weights and local accelerators trade that identity for speed,
-and their agreement with float32 is measured (`infemeral.eval.agreement`).
+and their agreement with float32 is measured (`infemeral.eval.client_precision`).
 """
 
 from __future__ import annotations
@@ -105,6 +105,8 @@ class DenseTokenTable:
 
 
 class ClientModel:
+    """The client half of one model, computing as `compute` says; built from a client bundle or from tensors."""
+
     def __init__(self, bundle: ClientBundle, dtype: str | torch.dtype = "auto", device: str = "auto",
                  quant: str = "auto"):
         with safe_open(str(bundle.directory / "client.safetensors"), framework="pt") as f:
@@ -123,7 +125,7 @@ class ClientModel:
 
     def _build(self, config, client_layers, tensors, basis, dtype, device, quant) -> None:
         self.config = config
-        stored_quant = "int8" if "embed_tokens.scale" in tensors.keys() else "none"
+        stored_quant = "int8" if "embed_tokens.scale" in tensors else "none"
         dtype = dtype_name(dtype) if isinstance(dtype, torch.dtype) else dtype
         self.compute = resolve_compute(tensors["norm.weight"].dtype, stored_quant, dtype, device, quant)
         self.dtype, self.device = self.compute.dtype, self.compute.device
@@ -133,7 +135,7 @@ class ClientModel:
                                  adapt_layer=quantize.use_int8_linears if is_int8 else None)
         del per_layer
         self.embed = self._table(tensors, "embed_tokens", stored_quant)
-        self.head = self._table(tensors, "lm_head", stored_quant) if "lm_head.weight" in tensors.keys() else self.embed
+        self.head = self._table(tensors, "lm_head", stored_quant) if "lm_head.weight" in tensors else self.embed
         norm_cls = architecture.norm_class(config)
         self.norm = norm_cls(config.hidden_size, eps=config.rms_norm_eps)
         self.norm.weight.data = tensors["norm.weight"].to(self.device, self.dtype)
@@ -192,6 +194,9 @@ class _LazyTensors(Mapping):
     def __init__(self, handle):
         self._handle = handle
         self._names = list(handle.keys())
+
+    def __contains__(self, name) -> bool:  # without reading the tensor, as Mapping's default would
+        return name in self._names
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self._names:

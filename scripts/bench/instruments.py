@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import tempfile
 import threading
 from dataclasses import dataclass
@@ -216,19 +217,35 @@ class Stamps:
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
+# A small launcher between us and the measured command. Linux seeds a child's peak RSS with its parent's
+# at fork/exec (vfork shares the parent's memory outright), so a child started from this process would
+# report at least our own peak; started from a fresh ~10 MB interpreter, it reports its own.
+_PEAK_LAUNCHER = """
+import os, sys
+pid = os.fork()
+if pid == 0:
+    os.execvp(sys.argv[2], sys.argv[2:])
+_, status, usage = os.wait4(pid, 0)
+with open(sys.argv[1], "w") as f:
+    f.write(str(usage.ru_maxrss))
+sys.exit(os.waitstatus_to_exitcode(status) & 0xFF)
+"""
+
+
 def run_measured(cmd: list[str]) -> dict:
-    """Run a subprocess; its wall time and its own peak RSS (wait4 rusage of that one child)."""
-    with tempfile.TemporaryFile() as err:
+    """Run a subprocess; its wall time and its own peak RSS (wait4 rusage of that child, from a fresh launcher)."""
+    with tempfile.TemporaryFile() as err, tempfile.NamedTemporaryFile("r") as peak:
         t = now()
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
-        _, status, usage = os.wait4(proc.pid, 0)
+        proc = subprocess.Popen([sys.executable, "-c", _PEAK_LAUNCHER, peak.name, *cmd],
+                                stdout=subprocess.DEVNULL, stderr=err)
+        proc.wait()
         seconds = now() - t
-        proc.returncode = os.waitstatus_to_exitcode(status)
         err.seek(0)
         tail = err.read().decode(errors="replace")[-2000:]
-    if proc.returncode != 0:
+        maxrss_kb = peak.read().strip()
+    if proc.returncode != 0 or not maxrss_kb:
         raise RuntimeError(f"{' '.join(cmd)} failed with code {proc.returncode}:\n{tail}")
-    return {"seconds": seconds, "peak_rss_mb": usage.ru_maxrss / 1024}
+    return {"seconds": seconds, "peak_rss_mb": int(maxrss_kb) / 1024}
 
 
 def wire_of(turn: TurnLog, generated: int) -> dict:

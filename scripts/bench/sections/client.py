@@ -13,7 +13,7 @@ untied head), where the LM head dominates as it does in real deployments. Modes:
 bundle), bfloat16, and int8 weight-only (bf16 activations). All modes of one model are timed in
 rotation, one step each, so a burst of load from other processes hits them alike. Targets apply at
 the 8B shape; agreement of the reduced modes with float32 is measured separately
-(`python -m infemeral.eval.agreement`, docs/benchmarks/client_agreement.md).
+(`python -m infemeral.eval.client_precision`, docs/benchmarks/client_agreement.md).
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def _8b_clients() -> dict:
 
     from infemeral.cloak.basis import random_orthogonal
     from infemeral.client.local_model import ClientModel
-    from infemeral.eval.agreement import RANDOM_8B, random_client_tensors
+    from infemeral.eval.client_precision import RANDOM_8B, random_client_tensors
 
     config = LlamaConfig(**RANDOM_8B, rope_theta=500000.0, rms_norm_eps=1e-5)
     tensors = random_client_tensors(config)

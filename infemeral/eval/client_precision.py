@@ -20,9 +20,9 @@ tokens, so there the positions are a fixed random token sequence instead, and th
 identity stand-in (the client's layer output goes straight to the final norm and head): 32 layers of
 an 8B model cannot run in float32 on a laptop CPU, and only the client half is under test.
 
-    python -m infemeral.eval.agreement                          # default model, 512 greedy positions
-    python -m infemeral.eval.agreement --model random-8b        # 8B-shaped random client half
-    python -m infemeral.eval.agreement --write docs/benchmarks/client_agreement.md
+    python -m infemeral.eval.client_precision                          # default model, 512 greedy positions
+    python -m infemeral.eval.client_precision --model random-8b        # 8B-shaped random client half
+    python -m infemeral.eval.client_precision --write docs/benchmarks/client_agreement.md
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class Sequence:
 
 
 @dataclass
-class Agreement:
+class ClientAgreement:
     label: str
     num_positions: int
     top1: float
@@ -115,7 +115,7 @@ def teacher_forced_logits(client: ClientModel, server, seq: Sequence, chunk: int
     return torch.cat(rows)[len(seq.prompt) - 1:]
 
 
-def compare(label: str, reference: list[torch.Tensor], candidate: list[torch.Tensor]) -> Agreement:
+def compare(label: str, reference: list[torch.Tensor], candidate: list[torch.Tensor]) -> ClientAgreement:
     matches, divergences, errors, gaps = [], [], [], []
     max_error = 0.0
     for ref, got in zip(reference, candidate, strict=True):
@@ -130,12 +130,12 @@ def compare(label: str, reference: list[torch.Tensor], candidate: list[torch.Ten
         gaps.append(top2[:, 0] - top2[:, 1])
     matches_all = torch.cat(matches)
     seen = [d for d in divergences if d is not None]
-    return Agreement(label, len(matches_all), float(matches_all.float().mean()), min(seen) if seen else None,
+    return ClientAgreement(label, len(matches_all), float(matches_all.float().mean()), min(seen) if seen else None,
                      divergences, max_error, float(torch.cat(errors).mean()), float(torch.cat(gaps).median()))
 
 
 def measure(reference: ClientModel, candidates: dict[str, Callable[[], ClientModel]], server,
-            sequences: list[Sequence]) -> list[Agreement]:
+            sequences: list[Sequence]) -> list[ClientAgreement]:
     """Agreement of each candidate (built one at a time, then dropped) with the float32 reference."""
     ref_logits = [teacher_forced_logits(reference, server, s) for s in sequences]
     results = []
@@ -162,7 +162,7 @@ def default_model_setup(num_positions: int, work: Path):
                         [server_bundle.layer_weights(i) for i in range(first, first + server_bundle.num_layers)])
     reference = ClientModel(bundle, dtype="float32", device="cpu")
     tokenizer = bundle.tokenizer()
-    prompts = [_chat_ids(tokenizer, p) for p in PROMPTS]
+    prompts = [chat_prompt_ids(tokenizer, p) for p in PROMPTS]
     stop = {tokenizer.eos_token_id, *_eos_ids(bundle)}
     per_prompt = -(-num_positions // 4)
     sequences = greedy_continuations(reference, server, prompts, per_prompt, stop, min_total=num_positions)
@@ -170,7 +170,7 @@ def default_model_setup(num_positions: int, work: Path):
     return reference, candidates, server, sequences
 
 
-def _chat_ids(tokenizer, text: str) -> list[int]:
+def chat_prompt_ids(tokenizer, text: str) -> list[int]:
     ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
     return list(ids if isinstance(ids, list) else ids["input_ids"])
 
@@ -226,7 +226,7 @@ def random_model_setup(num_positions: int, shape: dict = RANDOM_8B, seed: int = 
 
 # -- report ---------------------------------------------------------------------------------------------
 
-def table(results: list[Agreement]) -> str:
+def table(results: list[ClientAgreement]) -> str:
     lines = ["| client | positions | top-1 agreement | first divergence | max logit error | mean logit error | "
              "median top-2 gap (fp32) |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in results:
