@@ -174,7 +174,7 @@ def check_model(tmp: Path) -> list[Check]:
         server = Server(ServerSettings(bundle=bundles.server_dir, listen="127.0.0.1:0", store=str(tmp / backend),
                                        device="cuda", dtype="bfloat16", attention_backend=backend,
                                        metrics_port=0)).start()
-        client = Client(f"127.0.0.1:{server.port}", bundles.client_dir, timeout=600)
+        client = Client(f"127.0.0.1:{server.port}", bundles.client_dir, timeout=600, client_device="cpu")
         client.eos_ids = set()
         try:
             result = client.new_session().chat(prompt, SamplingParams(max_new_tokens=256))

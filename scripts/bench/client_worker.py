@@ -34,7 +34,7 @@ def main() -> int:
     from infemeral.client.sampling import SamplingParams
     from infemeral.client.sdk import Client
 
-    client = Client(args.server, args.bundle, timeout=600)
+    client = Client(args.server, args.bundle, timeout=600, client_device="cpu")
     client.eos_ids = set()  # exactly the requested number of tokens
     client.new_session().chat("Hello!", SamplingParams(max_new_tokens=2))  # warm-up
     print(json.dumps({"ready": True}), flush=True)

@@ -188,7 +188,8 @@ class SplitSystem:
             self.engine.layers = self.layer_timer
         self.store_meter = StoreMeter(self.engine.store, store)
         self.recorder = WireRecorder()
-        self.client = Client(self.address, wb.client_dir, timeout=600, interceptors=[self.recorder])
+        self.client = Client(self.address, wb.client_dir, timeout=600, interceptors=[self.recorder],
+                             client_device="cpu")  # the laptop's half stays on the CPU, as the report says
         self.eos_ids = set(self.client.eos_ids)
         # Both sides generate exactly the requested number of tokens: plain `generate` gets min_new_tokens,
         # and the split client is told no token ends the answer (it then just keeps decoding).
