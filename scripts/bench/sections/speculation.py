@@ -63,9 +63,11 @@ def run(wb) -> Result:
     rows: list[SpecRow] = []
     for rtt in RTTS_MS:
         with DelayProxy(split.address, rtt_ms=rtt) as proxy:
-            clients = {"plain": Client(proxy.address, wb.client_dir, timeout=600),
-                       "answers": Client(proxy.address, wb.client_dir, timeout=600, answer_index=answers),
-                       "draft": Client(proxy.address, wb.client_dir, timeout=600, draft_model=drafter)}
+            clients = {"plain": Client(proxy.address, wb.client_dir, timeout=600, client_device="cpu"),
+                       "answers": Client(proxy.address, wb.client_dir, timeout=600, answer_index=answers,
+                                         client_device="cpu"),
+                       "draft": Client(proxy.address, wb.client_dir, timeout=600, draft_model=drafter,
+                                       client_device="cpu")}
             try:
                 if rtt == RTTS_MS[0]:
                     warm_answer_index(clients["plain"], answers, n)
