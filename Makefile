@@ -24,8 +24,9 @@ demo: $(STAMP)
 test: $(STAMP) system-deps
 	$(BIN)/python -m pytest -q -ra
 
-# Tests start a real redis-server and lint the image's scripts with shellcheck; install them when missing.
-SYSTEM_DEPS := redis-server shellcheck
+# Tests start a real redis-server, lint the image's scripts with shellcheck and call the OpenAI endpoint with
+# curl; install them when missing.
+SYSTEM_DEPS := redis-server shellcheck curl
 system-deps:
 	@missing=""; for t in $(SYSTEM_DEPS); do command -v $$t >/dev/null 2>&1 || missing="$$missing $$t"; done; \
 	if [ -n "$$missing" ]; then \

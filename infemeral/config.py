@@ -108,9 +108,29 @@ class ClientSettings(BaseSettings):
     answer_index_tokens: int = Field(262_144, ge=1, description="most answer tokens the index keeps (oldest "
                                                                 "answers are forgotten first)")
 
-    def sampling(self):
+    chat_history: str = Field(str(DATA_HOME / "chat_history"),
+                              description="file the chat prompt keeps its line history in, owner-only ('': none)")
+
+    def sampling(self, model_defaults: dict | None = None):
+        """Sampling parameters from these settings. `model_defaults` (the model's generation config, see
+        `sampling.generation_defaults`) replaces the settings' own defaults, not values given by flag or env."""
         from infemeral.client.sampling import SamplingParams
 
-        return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_k=self.top_k,
-                              top_p=self.top_p, repetition_penalty=self.repetition_penalty, stop=list(self.stop),
-                              seed=self.seed, speculate=self.speculate, max_draft=self.max_draft)
+        chosen = {name: getattr(self, name) for name in ("max_new_tokens", "temperature", "top_k", "top_p",
+                                                          "repetition_penalty", "seed")}
+        chosen.update({k: v for k, v in (model_defaults or {}).items() if k not in self.model_fields_set})
+        return SamplingParams(stop=list(self.stop), speculate=self.speculate, max_draft=self.max_draft, **chosen)
+
+
+class ServeSettings(BaseSettings):
+    """The OpenAI-compatible endpoint on the laptop (`infemeral-client serve`); INFEMERAL_SERVE_<NAME>."""
+
+    model_config = SettingsConfigDict(env_prefix="INFEMERAL_SERVE_", extra="ignore")
+
+    host: str = Field("127.0.0.1", description="address to listen on; anything but loopback needs --api-key")
+    port: int = Field(8080, ge=0, le=65535, description="HTTP port")
+    api_key: str | None = Field(None, description="key HTTP clients must send as 'Authorization: Bearer KEY'")
+    model_name: str | None = Field(None, description="model name the endpoint answers to (default: the client "
+                                                     "bundle's directory name)")
+    max_sessions: int = Field(8, ge=1, description="live sessions kept for reuse; the least recently used "
+                                                   "beyond this are deleted on the server")

@@ -70,6 +70,14 @@ class UnsupportedModel(InfemeralError):
     """The model's architecture cannot be split exactly (e.g. sandwich norms)."""
 
 
+class NoChatTemplate(InfemeralError):
+    """Chat was asked of a model whose tokenizer has no chat template (a base model)."""
+
+    def __init__(self):
+        super().__init__("this model has no chat template, so it cannot chat; use raw completion instead "
+                         "(`infemeral-client generate --raw`, `Session.complete`, or /v1/completions)")
+
+
 _BY_CODE = {cls.code: cls for cls in (InvalidArgument, FailedPrecondition, PermissionDenied,
                                      NotFound, Aborted, DataLoss, OutOfRange, Unavailable,
                                      ResourceExhausted)}

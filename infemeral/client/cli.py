@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from infemeral.cli_settings import add_settings_flags, settings_from_args
-from infemeral.config import ClientSettings
+from infemeral.config import ClientSettings, ServeSettings
 from infemeral.errors import InfemeralError
 
 CONNECTION = ("server", "client_bundle", "timeout", "tls_ca", "tls_client_cert", "tls_client_key", "tls_server_name",
@@ -25,6 +25,7 @@ first steps:
   infemeral-client generate "What is the capital of France?"
   infemeral-client chat --session work           # resumable chat
   infemeral-client audit "My SSN is 078-05-1120"  # what could the pod learn from this prompt?
+  infemeral-client serve                         # OpenAI-compatible API on http://127.0.0.1:8080/v1
 
 Every flag can also be set as an INFEMERAL_* environment variable, e.g.
 INFEMERAL_SERVER=pod.example.com:50051 or INFEMERAL_TEMPERATURE=0.7.
@@ -76,17 +77,38 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Answer one prompt in a fresh session and stream the answer to stdout.")
     g.add_argument("prompt", help="the question or instruction ('-' reads it from stdin)")
     g.add_argument("--system", help="system prompt")
+    g.add_argument("--raw", action="store_true",
+                   help="continue the prompt as raw text, without the chat template (base models, "
+                        "template-free prompts)")
     _connection_and_sampling(g)
 
     c = sub.add_parser("chat", help="interactive chat; resumable with --session",
-                       description="Interactive chat. Type a message and press Enter; /exit or Ctrl-D quits, "
-                                   "/reset starts over. With --session NAME the conversation is saved after "
-                                   "every turn and resumed next time. A turn that fails (network, server) is "
-                                   "reported and leaves the conversation as it was.")
+                       description="Interactive chat with line editing and history. Type a message and press "
+                                   "Enter; /help lists the commands, /exit or Ctrl-D quits, /reset starts over. "
+                                   "End a line with \\ (or wrap the message in \"\"\") for several lines. "
+                                   "Ctrl-C stops an answer and keeps the conversation as it was. With --session "
+                                   "NAME the conversation is saved after every turn and resumed next time. A turn "
+                                   "that fails (network, server) is reported and leaves the conversation as it "
+                                   "was. Sampling defaults come from the model's generation config when it has "
+                                   "them; flags and INFEMERAL_* variables override them.")
     c.add_argument("--session", help="name of a saved session to resume or create")
     c.add_argument("--system", help="system prompt for a new session")
-    add_settings_flags(c, ClientSettings, ("sessions_dir",))
+    add_settings_flags(c, ClientSettings, ("sessions_dir", "chat_history"))
     _connection_and_sampling(c)
+
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP endpoint on this machine",
+                       description="Serve the OpenAI API (/v1/models, /v1/chat/completions, /v1/completions) on "
+                                   "this machine, forwarding to the infemeral server: point any OpenAI client at "
+                                   "http://HOST:PORT/v1. Text stays in this process; the server sees what every "
+                                   "infemeral turn sends. Loopback only unless --api-key is set. Sampling flags "
+                                   "are defaults for requests that leave a value out.")
+    add_settings_flags(s, ServeSettings)
+    upstream = s.add_argument_group("infemeral server")
+    add_settings_flags(upstream, ClientSettings, tuple(n for n in CONNECTION if n != "api_key"))
+    upstream.add_argument("--server-api-key", help="API key the infemeral server asks for (env INFEMERAL_API_KEY)")
+    _local_compute(s)
+    group = s.add_argument_group("sampling defaults")
+    add_settings_flags(group, ClientSettings, SAMPLING)
 
     i = sub.add_parser("info", help="show what the server serves and how the laptop's half computes")
     add_settings_flags(i, ClientSettings, CONNECTION)
@@ -185,13 +207,24 @@ def _report(result, verbose: bool) -> None:
                   f"({result.cache_length} kept)]", file=sys.stderr)
 
 
+def _sampling(settings: ClientSettings, client):
+    """Flags and INFEMERAL_* variables first, then the model's generation config, then the settings' defaults."""
+    from infemeral.client.sampling import generation_defaults
+
+    return settings.sampling(generation_defaults(client.bundle.generation_config()))
+
+
 def cmd_generate(args) -> int:
     settings = settings_from_args(ClientSettings, args)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if args.raw and args.system:
+        raise InfemeralError("--system needs the chat template; with --raw put everything in the prompt")
     with _client(settings) as client:
         session = client.new_session(system_prompt=args.system)
         try:
-            for delta in session.stream(prompt, settings.sampling()):
+            deltas = (session.stream_raw(prompt, _sampling(settings, client)) if args.raw
+                      else session.stream(prompt, _sampling(settings, client)))
+            for delta in deltas:
                 sys.stdout.write(delta)
                 sys.stdout.flush()
             sys.stdout.write("\n")
@@ -203,64 +236,25 @@ def cmd_generate(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    from infemeral.client.sdk import Session
+    from infemeral.client.chat_repl import ChatRepl
 
     settings = settings_from_args(ClientSettings, args)
     path = session_path(settings, args.session) if args.session else None
-    interactive = sys.stdin.isatty()
     with _client(settings) as client:
-        if path and path.exists():
-            session = Session.load(client, path)
-            print(f"resumed session {args.session!r} ({len(session.messages)} messages)", file=sys.stderr)
-            if session.pending_commit:
-                print("(the last turn's commit was never confirmed; the next turn asks the server whether it "
-                      "landed)", file=sys.stderr)
-        else:
-            session = client.new_session(system_prompt=args.system)
-        while True:
-            if interactive:
-                print("you> ", end="", flush=True)
-            line = sys.stdin.readline()
-            if not line:
-                break
-            message = line.strip()
-            if not message:
-                continue
-            if message in ("/exit", "/quit"):
-                break
-            if message == "/reset":
-                if session.version:
-                    session.delete()
-                session = client.new_session(system_prompt=args.system)
-                if path:
-                    session.save(path)
-                print("(new conversation)", file=sys.stderr)
-                continue
-            if interactive:
-                print("assistant> ", end="", flush=True)
-            if _chat_turn(session, message, settings):
-                _report(session.last_result, args.verbose)
-            if path:  # also after a failed turn: it may have left a commit to settle
-                session.save(path)
-    return 0
+        return ChatRepl(client, settings, session_name=args.session, session_path=path, system=args.system,
+                        verbose=args.verbose, report=_report).run()
 
 
-def _chat_turn(session, message: str, settings: ClientSettings) -> bool:
-    """Stream one answer; on failure say why and keep the conversation as it was. True if it committed."""
-    try:
-        for delta in session.stream(message, settings.sampling()):
-            sys.stdout.write(delta)
-            sys.stdout.flush()
-    except InfemeralError as e:
-        sys.stdout.write("\n")
-        sys.stdout.flush()
-        unsure = " (its commit is unconfirmed; the next turn asks the server)" if session.pending_commit else ""
-        print(f"infemeral-client: this turn failed: {e}\nThe conversation is unchanged{unsure}; send your "
-              "message again or another one.", file=sys.stderr)
-        return False
-    sys.stdout.write("\n")
-    sys.stdout.flush()
-    return True
+def cmd_serve(args) -> int:
+    from infemeral.client.openai_serve import serve
+
+    serve_settings = settings_from_args(ServeSettings, args)
+    given = {k: v for k, v in vars(args).items() if k != "api_key"}  # --api-key is the endpoint's own key
+    if args.server_api_key:
+        given["api_key"] = args.server_api_key
+    settings = settings_from_args(ClientSettings, argparse.Namespace(**given))
+    with _client(settings) as client:
+        return serve(client, serve_settings, _sampling(settings, client), settings.server)
 
 
 def cmd_info(args) -> int:
@@ -313,7 +307,7 @@ def cmd_forget_answers(args) -> int:
 
 
 COMMANDS = {"prepare": cmd_prepare, "generate": cmd_generate, "chat": cmd_chat, "info": cmd_info,
-            "audit": cmd_audit, "delete": cmd_delete, "forget-answers": cmd_forget_answers}
+            "audit": cmd_audit, "delete": cmd_delete, "forget-answers": cmd_forget_answers, "serve": cmd_serve}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -81,3 +81,20 @@ class Sampler:
             drop = cumulative - torch.softmax(sorted_logits, dim=-1) >= p.top_p  # keep the first token always
             logits[order[drop]] = float("-inf")
         return torch.softmax(logits, dim=-1)
+
+
+def generation_defaults(generation_config) -> dict:
+    """The sampling a model's authors recommend (its generation config), as SamplingParams fields.
+
+    As in transformers, temperature, top-p and top-k apply only when the config samples (`do_sample`);
+    a repetition penalty applies to greedy decoding too. Fields the config does not set are left out."""
+    defaults = {}
+    if getattr(generation_config, "do_sample", None):
+        for name in ("temperature", "top_p", "top_k"):
+            value = getattr(generation_config, name, None)
+            if value is not None:
+                defaults[name] = value
+    penalty = getattr(generation_config, "repetition_penalty", None)
+    if penalty is not None:
+        defaults["repetition_penalty"] = penalty
+    return defaults

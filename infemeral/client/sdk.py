@@ -34,7 +34,7 @@ from infemeral.client.result import TurnResult
 from infemeral.client.sampling import SamplingParams
 from infemeral.client.speculation import DraftLength, StepCost
 from infemeral.client.turn import TurnLoop, TurnStream
-from infemeral.errors import FailedPrecondition, InfemeralError, from_rpc_error
+from infemeral.errors import FailedPrecondition, InfemeralError, NoChatTemplate, from_rpc_error
 from infemeral.protocol import pb, pb_grpc
 from infemeral.protocol.tensors import WIRE_DTYPES
 from infemeral.transport import client_channel
@@ -131,6 +131,18 @@ class Client:
             sources.append(self.draft_model)
         return sources[0] if len(sources) == 1 else FirstOf(*sources)
 
+    # -- text ---------------------------------------------------------------------------------
+    def chat_ids(self, messages: list[dict]) -> list[int]:
+        """A transcript as the model reads it: rendered by its chat template, ready for the assistant's answer."""
+        if not self.tokenizer.chat_template:
+            raise NoChatTemplate()
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids if isinstance(ids, list) else ids["input_ids"])
+
+    def text_ids(self, text: str) -> list[int]:
+        """Raw text as the model reads it without a chat template (with the tokenizer's BOS, if it adds one)."""
+        return list(self.tokenizer(text)["input_ids"])
+
     # -- sessions -----------------------------------------------------------------------------
     def new_session(self, system_prompt: str | None = None) -> "Session":
         return Session(self, system_prompt=system_prompt)
@@ -190,14 +202,39 @@ class Session:
         """Send a user message; yield the answer's text as it is sampled."""
         return self._stream(self.messages + [{"role": "user", "content": message}], sampling or SamplingParams())
 
-    def _stream(self, messages: list[dict], params: SamplingParams) -> Iterator[str]:
-        with TurnLoop(self, messages, params) as turn:
+    def _stream(self, messages: list[dict], params: SamplingParams, **turn_options) -> Iterator[str]:
+        with TurnLoop(self, messages, params, **turn_options) as turn:
             yield from turn.generate()
             turn.commit()
 
+    def stream_messages(self, messages: list[dict], sampling: SamplingParams | None = None) -> Iterator[str]:
+        """Answer the last message of a whole transcript; yield the answer's text as it is sampled.
+
+        The caches keep what they share with the transcript and only the rest is sent, so a caller that
+        resends a growing conversation every time (as OpenAI-style tools do) sends only its new tokens."""
+        return self._stream([dict(m) for m in messages], sampling or SamplingParams(), is_whole_transcript=True)
+
+    # -- raw text -----------------------------------------------------------------------------
+    def complete(self, prompt: str | list[int], sampling: SamplingParams | None = None) -> TurnResult:
+        """Continue raw text (or token ids) without the chat template, for base models and template-free
+        prompts; return the continuation once generated."""
+        for _ in self.stream_raw(prompt, sampling):
+            pass
+        return self.last_result
+
+    def stream_raw(self, prompt: str | list[int], sampling: SamplingParams | None = None) -> Iterator[str]:
+        """Continue raw text (or token ids); yield the continuation as it is sampled.
+
+        `prompt` is the whole text: the session's caches keep what they share with it (a longer prompt
+        that starts with an earlier prompt and its continuation sends only what is new). Raw turns leave
+        `messages` empty: the history is text, not a chat."""
+        ids = self.client.text_ids(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
+        if not ids:
+            raise InfemeralError("the prompt is empty: there is nothing to continue")
+        return self._stream([], sampling or SamplingParams(), render=lambda _: ids, is_whole_transcript=True)
+
     def _render(self, messages: list[dict]) -> list[int]:
-        ids = self.client.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(ids if isinstance(ids, list) else ids["input_ids"])
+        return self.client.chat_ids(messages)
 
     def _settle_pending(self) -> None:
         """Ask the server whether the turn whose commit reply was lost did commit; adopt it if so."""

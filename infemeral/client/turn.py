@@ -120,14 +120,19 @@ class TextStream:
 
 
 class TurnLoop:
-    """One turn of `session`: the new user message(s) in `messages`, answered under `params`."""
+    """One turn of `session`: the new user message(s) in `messages`, answered under `params`.
+
+    `messages` is the session's transcript plus the new message; with `is_whole_transcript` it is a whole
+    transcript given by the caller (the OpenAI endpoint), kept as it is even when a lost commit is settled
+    first. A raw turn has no messages: `render` gives its token ids, and it leaves the transcript empty."""
 
     def __init__(self, session, messages: list[dict], params: SamplingParams,
-                 render: Callable[[list[dict]], list[int]] | None = None):
+                 render: Callable[[list[dict]], list[int]] | None = None, *, is_whole_transcript: bool = False):
         self.session, self.client = session, session.client
         self.model = self.client.model
         self.messages, self.params = messages, params
         self.render = render or session._render
+        self.is_whole_transcript = is_whole_transcript
         self.result = TurnResult()
         self.turn_id = secrets.token_bytes(16)
         self.sampler = Sampler(params)
@@ -149,7 +154,8 @@ class TurnLoop:
         try:
             if self.session.pending_commit is not None:
                 self.session._settle_pending()
-                self.messages = self.session.messages + self.messages[-1:]  # the new message, settled transcript
+                if not self.is_whole_transcript:  # the new message, on the settled transcript
+                    self.messages = self.session.messages + self.messages[-1:]
             self.target_ids = self.render(self.messages)
             self.source = self.client.draft_source(self.params.speculate)
             self.draft_length.max_draft = self.params.max_draft if self.source is not None else 0
@@ -353,6 +359,8 @@ class TurnLoop:
 
     # -- helpers -------------------------------------------------------------------------------------
     def _transcript(self) -> list[dict]:
+        if not self.messages:  # raw text: no chat to record
+            return []
         return self.messages + [{"role": "assistant", "content": self.result.text}]
 
     def _keep_undo(self) -> None:

@@ -1,0 +1,241 @@
+"""The interactive chat of `infemeral-client chat`, as people know it from ollama or llama.cpp.
+
+Line editing and history (readline, kept in an owner-only file), multi-line
+messages, slash commands, and Ctrl-C that stops the answer being written
+rather than the program: the turn is dropped before its commit, so both caches
+stay where they were and the conversation goes on as if the message had not
+been sent. Piped input (not a terminal) is read line by line with the same
+rules, without prompts.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from infemeral.errors import InfemeralError
+
+HELP = """\
+Type a message and press Enter.
+  /help        this help
+  /reset       start a new conversation (the old one is deleted on the server)
+  /exit        quit (also /quit or Ctrl-D)
+Multi-line messages: end a line with \\ to go on in the next one, or start the
+message with \"\"\" and end it with \"\"\" (on the same or a later line).
+Ctrl-C while an answer is written stops it: that exchange is dropped and the
+conversation stays as it was. Ctrl-C at the prompt clears the line; twice
+during an answer quits. Up/Down recall earlier messages{history}."""
+
+BLOCK = '"""'
+
+
+class StopOnInterrupt:
+    """While an answer streams, Ctrl-C sets `is_set` instead of raising, so the turn ends at a clean point
+    (between tokens) and rolls back; a second Ctrl-C raises KeyboardInterrupt to quit. Signal handlers can
+    only be set in the main thread: elsewhere this does nothing."""
+
+    def __init__(self):
+        self.is_set = False
+        self._previous = None
+
+    def __enter__(self) -> "StopOnInterrupt":
+        try:
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        except ValueError:  # not the main thread
+            self._previous = None
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.is_set:
+            raise KeyboardInterrupt
+        self.is_set = True
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+
+class LineReader:
+    """Lines from the terminal (readline editing and history) or from a pipe; None at the end."""
+
+    def __init__(self, stream=None, history_file: str = ""):
+        self.stream = stream or sys.stdin
+        self.is_interactive = self.stream.isatty()
+        self.history_file = Path(history_file).expanduser() if history_file and self.is_interactive else None
+        if self.is_interactive:
+            import readline  # noqa: F401  (input() edits lines once it is loaded)
+
+            if self.history_file is not None:
+                self._load_history()
+
+    def read(self, prompt: str) -> str | None:
+        if not self.is_interactive:
+            line = self.stream.readline()
+            return line.rstrip("\r\n") if line else None
+        try:
+            return input(prompt)
+        except EOFError:
+            print(file=sys.stdout)
+            return None
+
+    def read_message(self) -> str | None:
+        """One message: a line, lines joined by a trailing backslash, or a \"\"\" block."""
+        first = self.read("you> ")
+        if first is None:
+            return None
+        if first.lstrip().startswith(BLOCK):
+            rest, lines = first.lstrip()[len(BLOCK):], []
+            while not rest.rstrip().endswith(BLOCK):
+                lines.append(rest)
+                rest = self.read("... ")
+                if rest is None:
+                    return None
+            lines.append(rest.rstrip()[:-len(BLOCK)])
+            return "\n".join(lines)
+        lines, line = [], first
+        while line.endswith("\\"):
+            lines.append(line[:-1])
+            line = self.read("... ")
+            if line is None:
+                return None
+        lines.append(line)
+        return "\n".join(lines)
+
+    def _load_history(self) -> None:
+        import readline
+
+        readline.set_history_length(1000)
+        try:
+            readline.read_history_file(self.history_file)
+        except OSError:
+            pass
+
+    def save_history(self) -> None:
+        """Write the history owner-only: it holds what you typed."""
+        if self.history_file is None:
+            return
+        import readline
+
+        try:
+            self.history_file.parent.mkdir(parents=True, exist_ok=True)
+            os.close(os.open(self.history_file, os.O_WRONLY | os.O_CREAT, 0o600))
+            os.chmod(self.history_file, 0o600)
+            readline.write_history_file(self.history_file)
+        except OSError as e:
+            print(f"infemeral-client: could not save the chat history: {e}", file=sys.stderr)
+
+
+class ChatRepl:
+    """One chat session at the terminal. `report(result, verbose)` prints a turn's figures."""
+
+    def __init__(self, client, settings, *, session_name: str | None = None, session_path: Path | None = None,
+                 system: str | None = None, verbose: bool = False,
+                 report: Callable[[object, bool], None] = lambda result, verbose: None, stream=None):
+        from infemeral.client.sampling import generation_defaults
+
+        self.client, self.settings = client, settings
+        self.session_name, self.path, self.system = session_name, session_path, system
+        self.verbose, self.report = verbose, report
+        self.params = settings.sampling(generation_defaults(client.bundle.generation_config()))
+        self.reader = LineReader(stream, settings.chat_history)
+        self.session = self._open_session()
+
+    # -- the loop -------------------------------------------------------------------------------------
+    def run(self) -> int:
+        if self.reader.is_interactive:
+            self._say("Chat with the model; /help for help, Ctrl-D to quit.")
+        try:
+            while True:
+                try:
+                    message = self.reader.read_message()
+                except KeyboardInterrupt:  # at the prompt: drop what was typed
+                    print(file=sys.stdout)
+                    continue
+                if message is None:
+                    return 0
+                if not message.strip():
+                    continue
+                if message.startswith("/") and "\n" not in message:
+                    if not self.command(message.strip()):
+                        return 0
+                    continue
+                self.answer(message.strip())
+        finally:
+            self.reader.save_history()
+
+    def command(self, line: str) -> bool:
+        """Run a slash command; False means quit."""
+        name = line.split()[0].lower()
+        if name in ("/exit", "/quit", "/bye"):
+            return False
+        if name in ("/help", "/?"):
+            history = f" (kept in {self.reader.history_file})" if self.reader.history_file else ""
+            print(HELP.format(history=history), file=sys.stdout, flush=True)
+        elif name == "/reset":
+            if self.session.version:
+                self.session.delete()
+            self.session = self.client.new_session(system_prompt=self.system)
+            self._save()
+            self._say("(new conversation)")
+        else:
+            self._say(f"unknown command {name}; /help lists the commands")
+        return True
+
+    def answer(self, message: str) -> bool:
+        """Stream one answer. Ctrl-C stops it and a failure is reported; either way the conversation stays
+        as it was. True if the turn committed."""
+        if self.reader.is_interactive:
+            print("assistant> ", end="", flush=True)
+        deltas = self.session.stream(message, self.params)
+        is_complete = False
+        try:
+            with StopOnInterrupt() as stop:
+                try:
+                    for delta in deltas:
+                        sys.stdout.write(delta)
+                        sys.stdout.flush()
+                        if stop.is_set:
+                            break
+                    else:
+                        is_complete = True  # the generator ran to its end: the turn committed
+                finally:
+                    deltas.close()  # a turn stopped before its commit rolls back
+        except InfemeralError as e:
+            print(file=sys.stdout, flush=True)
+            unsure = (" (its commit is unconfirmed; the next turn asks the server)" if self.session.pending_commit
+                      else "")
+            self._say(f"infemeral-client: this turn failed: {e}\nThe conversation is unchanged{unsure}; send your "
+                      "message again or another one.")
+            self._save()  # it may have left a commit to settle
+            return False
+        print(file=sys.stdout, flush=True)
+        if not is_complete:
+            self._say("(stopped: that exchange was dropped; the conversation is as it was before it)")
+            return False
+        self.report(self.session.last_result, self.verbose)
+        self._save()
+        return True
+
+    # -- helpers --------------------------------------------------------------------------------------
+    def _open_session(self):
+        from infemeral.client.sdk import Session
+
+        if self.path is not None and self.path.exists():
+            session = Session.load(self.client, self.path)
+            self._say(f"resumed session {self.session_name!r} ({len(session.messages)} messages)")
+            if session.pending_commit:
+                self._say("(the last turn's commit was never confirmed; the next turn asks the server whether it "
+                          "landed)")
+            return session
+        return self.client.new_session(system_prompt=self.system)
+
+    def _save(self) -> None:
+        if self.path is not None:
+            self.session.save(self.path)
+
+    @staticmethod
+    def _say(text: str) -> None:
+        print(text, file=sys.stderr, flush=True)

@@ -1,0 +1,179 @@
+"""The part of OpenAI's HTTP API the laptop endpoint speaks: request and response bodies.
+
+Requests accept the fields tools commonly send; fields that would change the
+answer in ways this endpoint cannot honour (several choices, log
+probabilities, tools, structured output, images) are refused with a 400 that
+names them rather than silently ignored. Unknown fields are ignored, as
+OpenAI-compatible servers usually do.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class RequestError(Exception):
+    """A request the endpoint refuses, with the HTTP status and OpenAI error fields to answer."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+# -- requests -----------------------------------------------------------------------------------------
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, ge=0, le=1)
+    max_tokens: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int | None = Field(None, ge=1)
+    stream: bool | None = False
+    stream_options: dict | None = None
+    # not in OpenAI's API, but sent by tools written for vLLM / llama.cpp servers
+    top_k: int | None = Field(None, ge=0)
+    repetition_penalty: float | None = Field(None, gt=0)
+
+    def refuse_unsupported(self) -> None:
+        if self.n not in (None, 1):
+            raise RequestError(400, "n > 1 is not supported: this endpoint generates one choice per request",
+                               param="n", code="unsupported_parameter")
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[Any] | None = None
+
+    def to_template(self, index: int) -> dict:
+        """The message as a chat template takes it: a role and plain text."""
+        if self.role in ("tool", "function") or self.tool_calls:
+            raise RequestError(400, "tool calls are not supported by this endpoint", param=f"messages.{index}",
+                               code="unsupported_parameter")
+        if isinstance(self.content, list):
+            for part in self.content:
+                if part.type != "text":
+                    raise RequestError(400, f"content of type {part.type!r} is not supported: this model reads "
+                                            "text only", param=f"messages.{index}.content",
+                                       code="unsupported_content")
+            text = "".join(part.text or "" for part in self.content)
+        else:
+            text = self.content or ""
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    functions: list[Any] | None = None
+    response_format: dict | None = None
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.logprobs or self.top_logprobs:
+            raise RequestError(400, "logprobs are not supported", param="logprobs", code="unsupported_parameter")
+        if self.tools or self.functions:
+            raise RequestError(400, "tools (function calling) are not supported", param="tools",
+                               code="unsupported_parameter")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise RequestError(400, "only response_format {\"type\": \"text\"} is supported",
+                               param="response_format", code="unsupported_parameter")
+
+    def template_messages(self) -> list[dict]:
+        return [m.to_template(i) for i, m in enumerate(self.messages)]
+
+    @property
+    def answer_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool | None = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        if self.logprobs:
+            raise RequestError(400, "logprobs are not supported", param="logprobs", code="unsupported_parameter")
+        if self.best_of not in (None, 1):
+            raise RequestError(400, "best_of > 1 is not supported", param="best_of", code="unsupported_parameter")
+        if self.suffix:
+            raise RequestError(400, "suffix (insertion) is not supported", param="suffix",
+                               code="unsupported_parameter")
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt, as text or token ids; a batch of prompts is refused."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise RequestError(400, "one prompt per request: send several prompts as separate (concurrent) "
+                                        "requests", param="prompt", code="unsupported_parameter")
+            p = p[0]
+        if isinstance(p, list) and not p:
+            raise RequestError(400, "the prompt is empty", param="prompt")
+        return p
+
+    @property
+    def answer_tokens(self) -> int | None:
+        return self.max_tokens
+
+
+# -- responses ----------------------------------------------------------------------------------------
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{secrets.token_hex(12)}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
+
+
+def model_list(name: str, created: int) -> dict:
+    return {"object": "list", "data": [model_card(name, created)]}
+
+
+def model_card(name: str, created: int) -> dict:
+    return {"id": name, "object": "model", "created": created, "owned_by": "infemeral"}

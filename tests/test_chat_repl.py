@@ -1,0 +1,80 @@
+"""The chat REPL in a real pseudo-terminal: line editing, /help, multi-line input, and Ctrl-C that stops an
+answer but keeps the conversation, checked against the SDK's greedy answers from the same state."""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+
+import pexpect
+import pytest
+
+from infemeral.client.chat_repl import LineReader
+from infemeral.client.sampling import SamplingParams
+from infemeral.client.sdk import Session
+
+FIRST = "What is the capital of France?"
+LONG = "Write a very long story about a dragon and a knight, with many chapters."
+THIRD = "Now the capital\nof Italy?"
+MAX_TOKENS = 300
+
+
+def test_multi_line_messages_from_a_pipe():
+    reader = LineReader(io.StringIO('one line\nfirst \\\nsecond\n"""\nblock one\n  block two\n"""\n"""inline"""\n'))
+    assert not reader.is_interactive
+    assert [reader.read_message() for _ in range(5)] == [
+        "one line", "first \nsecond", "\nblock one\n  block two\n", "inline", None]
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_answer_and_keeps_the_session(server, client, bundles, tmp_path):
+    env = dict(os.environ, INFEMERAL_SERVER=f"127.0.0.1:{server.port}", INFEMERAL_CLIENT_BUNDLE=str(bundles.client_dir),
+               INFEMERAL_SESSIONS_DIR=str(tmp_path / "sessions"), INFEMERAL_CHAT_HISTORY=str(tmp_path / "history"),
+               TERM="dumb")
+    chat = pexpect.spawn(sys.executable, ["-m", "infemeral.client.cli", "chat", "--session", "repl",
+                                          "--max-new-tokens", str(MAX_TOKENS), "--temperature", "0"],
+                         env=env, encoding="utf-8", timeout=120, dimensions=(40, 200))
+    try:
+        chat.expect_exact("you> ")
+        chat.sendline("/help")
+        chat.expect_exact('"""')  # the help explains multi-line input
+        chat.expect_exact("you> ")
+        chat.sendline(FIRST)
+        chat.expect_exact("assistant> ")
+        chat.expect_exact("you> ")
+        # A long answer, stopped after its first words: back at the prompt, that exchange dropped.
+        chat.sendline(LONG)
+        chat.expect_exact("assistant> ")
+        chat.expect(r"\w+\W+\w+\W+\w+")
+        chat.sendintr()
+        chat.expect_exact("stopped")
+        chat.expect_exact("you> ")
+        # Ctrl-C at the prompt only clears the line.
+        chat.send("typed but never sent")
+        chat.sendintr()
+        chat.expect_exact("you> ")
+        chat.sendline('"""')
+        chat.sendline(THIRD.split("\n")[0])
+        chat.sendline(THIRD.split("\n")[1] + '"""')
+        chat.expect_exact("assistant> ")
+        chat.expect_exact("you> ")
+        chat.sendline("/exit")
+        chat.expect(pexpect.EOF)
+    finally:
+        chat.close(force=True)
+    assert chat.exitstatus == 0, chat.before
+    saved = Session.load(client, tmp_path / "sessions" / "repl.session")
+    # The same conversation without the stopped message, through the SDK: the same state, token for token.
+    params = SamplingParams(max_new_tokens=MAX_TOKENS)
+    reference = client.new_session()
+    first, third = reference.chat(FIRST, params), reference.chat(THIRD, params)
+    assert saved.version == 2 and saved.pending_commit is None
+    assert saved.messages == reference.messages
+    assert [m["content"] for m in saved.messages] == [FIRST, first.text, THIRD, third.text]
+    assert saved.history_ids == reference.history_ids
+    history = tmp_path / "history"
+    assert (history.stat().st_mode & 0o777) == 0o600 and FIRST in history.read_text()
+    assert "typed but never sent" not in history.read_text()
+    for session in (saved, reference):
+        session.delete()

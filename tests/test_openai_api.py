@@ -1,0 +1,354 @@
+"""The OpenAI-compatible endpoint with real clients: the official `openai` package and curl.
+
+The endpoint runs in uvicorn on a free port, in front of the shared real
+server; its Client records every TurnRequest on the wire, so the tests can see
+which session each request used and how many tokens each turn sent.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import shutil
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+import grpc
+import openai
+import pytest
+
+from conftest import StoredSession, free_port
+from http_endpoint import Uvicorn, post
+from infemeral.client.openai_api import bundle_model_name, create_app
+from infemeral.client.sampling import SamplingParams
+from infemeral.client.sdk import Client
+from infemeral.client.session_pool import SessionPool
+from infemeral.protocol import pb
+
+pytestmark = pytest.mark.slow
+
+MODEL = "tiny-test-model"
+TOKENS = 10
+FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
+
+
+class TurnLog(grpc.StreamStreamClientInterceptor):
+    """Every Turn call's requests, with when the call opened and ended."""
+
+    def __init__(self):
+        self.turns: list[dict] = []
+        self._lock = threading.Lock()
+
+    def intercept_stream_stream(self, continuation, details, request_iterator):
+        method = details.method.decode() if isinstance(details.method, bytes) else details.method
+        if not method.endswith("/Turn"):
+            return continuation(details, request_iterator)
+        turn = {"requests": [], "opened": time.monotonic(), "ended": None}
+        with self._lock:
+            self.turns.append(turn)
+
+        def tap():
+            for request in request_iterator:
+                turn["requests"].append(pb.TurnRequest.FromString(request.SerializeToString()))
+                yield request
+            turn["ended"] = time.monotonic()
+
+        return continuation(details, tap())
+
+    def committed(self) -> list[dict]:
+        return [t for t in self.turns if any(r.WhichOneof("kind") == "commit" for r in t["requests"])]
+
+
+@dataclass
+class Endpoint:
+    url: str
+    client: Client
+    pool: SessionPool
+    log: TurnLog
+
+    def openai(self, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url, api_key=kw.pop("api_key", "unused"), max_retries=0, **kw)
+
+
+@pytest.fixture(scope="module")
+def endpoint(server, bundles):
+    log = TurnLog()
+    client = Client(f"127.0.0.1:{server.port}", bundles.client_dir, timeout=120, interceptors=[log])
+    pool = SessionPool(client, max_sessions=3)
+    http = Uvicorn(create_app(pool, MODEL, defaults=SamplingParams(max_new_tokens=TOKENS)))
+    yield Endpoint(http.url, client, pool, log)
+    http.stop()
+    client.close()
+
+
+def sdk_answer(client, messages: list[dict], tokens: int = TOKENS):
+    session = client.new_session()
+    session.messages = messages[:-1]
+    result = session.chat(messages[-1]["content"], SamplingParams(max_new_tokens=tokens))
+    session.delete()
+    return result
+
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+# -- the happy paths --------------------------------------------------------------------------------------
+def test_models_lists_the_one_model(endpoint):
+    api = endpoint.openai()
+    assert [m.id for m in api.models.list().data] == [MODEL]
+    assert api.models.retrieve(MODEL).id == MODEL
+
+
+def test_chat_completion_equals_the_sdk(endpoint, client):
+    expected = sdk_answer(client, QUESTION)
+    reply = endpoint.openai().chat.completions.create(model=MODEL, messages=QUESTION, temperature=0,
+                                                      max_tokens=TOKENS)
+    choice = reply.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content == expected.text
+    assert choice.finish_reason == FINISH[expected.finish_reason]
+    assert reply.object == "chat.completion" and reply.model == MODEL
+    assert reply.usage.prompt_tokens == len(client.chat_ids(QUESTION))
+    assert reply.usage.completion_tokens == expected.generated_tokens > 0
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + expected.generated_tokens
+
+
+def test_streamed_chat_completion_equals_the_sdk(endpoint, client):
+    messages = [{"role": "system", "content": "You answer briefly."},
+                {"role": "user", "content": "Name a large ocean."}]
+    expected = sdk_answer(client, messages, 16)
+    stream = endpoint.openai().chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=16,
+                                                       stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == expected.text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [FINISH[expected.finish_reason]]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == expected.generated_tokens
+    assert chunks[-1].usage.prompt_tokens == len(client.chat_ids(messages))
+
+
+def test_stop_strings_and_seeded_sampling(endpoint):
+    api = endpoint.openai()
+    ask = dict(model=MODEL, messages=QUESTION, max_tokens=12, temperature=0.9, top_p=0.9, seed=7)
+    first, second = (api.chat.completions.create(**ask).choices[0].message.content for _ in range(2))
+    assert first == second  # the same seed samples the same answer
+    greedy = api.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=12).choices[0].message.content
+    cut = greedy.split()[1]  # stop at the second word of the greedy answer
+    stopped = api.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=12, stop=[cut])
+    assert stopped.choices[0].message.content == greedy[:greedy.index(cut)]
+    assert stopped.choices[0].finish_reason == "stop"
+
+
+def test_raw_completion_equals_session_complete(endpoint, client):
+    prompt = "The three primary colours are"
+    session = client.new_session()
+    expected = session.complete(prompt, SamplingParams(max_new_tokens=8))
+    session.delete()
+    assert session.messages == [] and expected.generated_tokens == 8
+    api = endpoint.openai()
+    reply = api.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+    assert reply.choices[0].text == expected.text and reply.choices[0].finish_reason == FINISH[expected.finish_reason]
+    assert reply.usage.prompt_tokens == len(client.text_ids(prompt)) and reply.usage.completion_tokens == 8
+    streamed = api.completions.create(model=MODEL, prompt=prompt, max_tokens=8, stream=True, echo=True)
+    assert "".join(c.choices[0].text for c in streamed) == prompt + expected.text
+    by_ids = api.completions.create(model=MODEL, prompt=client.text_ids(prompt), max_tokens=8)
+    assert by_ids.choices[0].text == expected.text
+
+
+def test_a_conversation_sends_only_its_new_tokens(endpoint, client):
+    """Three turns of a stateless conversation: after the first, each turn continues the same session
+    and sends only the tokens the cache does not hold yet."""
+    api = endpoint.openai()
+    messages = [{"role": "user", "content": "Tell me about lighthouses."}]
+    before = len(endpoint.log.committed())
+    rendered = []
+    for question in ("Who keeps them?", "Are they still used?", None):
+        rendered.append(client.chat_ids(messages))
+        reply = api.chat.completions.create(model=MODEL, messages=messages, max_tokens=TOKENS)
+        assert reply.usage.prompt_tokens == len(rendered[-1])
+        messages += [{"role": "assistant", "content": reply.choices[0].message.content}]
+        if question:
+            messages.append({"role": "user", "content": question})
+    turns = [t["requests"] for t in endpoint.log.committed()[before:]]
+    assert len(turns) == 3
+    opens = [t[0].open for t in turns]
+    assert len({o.session_id for o in opens}) == 1  # one session all along
+    assert [o.expected_version for o in opens] == [opens[0].expected_version + k for k in range(3)]
+    for k, turn in enumerate(turns):
+        prefill = next(r.step for r in turn if r.WhichOneof("kind") == "step")
+        sent, kept = prefill.hidden.shape[0], prefill.cache_length
+        assert kept + sent == len(rendered[k])  # the prompt's first step carries exactly what the cache lacks
+        if k == 0:
+            assert kept == 0 or opens[0].expected_version > 0
+        else:
+            assert kept >= len(rendered[k - 1])  # the previous prompt and answer are not resent
+            assert sent < len(rendered[k]) - len(rendered[k - 1])  # only the new message and its framing
+    assert endpoint.pool.stats.num_reused >= 2
+
+
+def test_concurrent_requests_run_in_parallel_sessions(endpoint, client):
+    api = endpoint.openai()
+    expected = sdk_answer(client, QUESTION, 24).text
+    before = len(endpoint.log.turns)
+    answers = [None, None]
+
+    def ask(i):
+        answers[i] = api.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=24).choices[0]
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [a.message.content for a in answers] == [expected, expected]
+    turns = endpoint.log.turns[before:]
+    assert len(turns) == 2 and turns[0]["requests"][0].open.session_id != turns[1]["requests"][0].open.session_id
+    first, second = sorted(turns, key=lambda t: t["opened"])
+    assert second["opened"] < first["ended"]  # both turns were open at once
+
+
+def test_a_client_that_goes_away_mid_stream_stops_its_turn(endpoint):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Write a long poem about the sea."}],
+            "max_tokens": 200, "stream": True}
+    before = len(endpoint.log.turns)
+    connection = http.client.HTTPConnection("127.0.0.1", int(endpoint.url.split(":")[2].split("/")[0]), timeout=60)
+    connection.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 200
+    assert response.readline().startswith(b"data: ") and response.readline() == b"\n"  # the assistant's role
+    assert json.loads(response.readline()[6:])["choices"][0]["delta"]["content"]  # the first words
+    connection.sock.shutdown(2)
+    connection.close()
+    deadline = time.monotonic() + 30
+    while endpoint.log.turns[before]["ended"] is None or endpoint.pool.num_busy:
+        assert time.monotonic() < deadline, "the turn went on after the client left"
+        time.sleep(0.05)
+    turn = [r.WhichOneof("kind") for r in endpoint.log.turns[before]["requests"]]
+    assert "commit" not in turn and turn.count("step") < 100  # stopped early, nothing committed
+    # the session is back in the pool, usable, at its old version
+    again = endpoint.openai().chat.completions.create(model=MODEL, messages=body["messages"], max_tokens=4)
+    assert again.choices[0].finish_reason == "length"
+
+
+# -- curl -------------------------------------------------------------------------------------------------
+def curl(*args) -> str:
+    exe = shutil.which("curl")
+    if exe is None:
+        pytest.fail("curl is not installed (apt-get install curl)")
+    return subprocess.run([exe, "-sS", "-N", *args], capture_output=True, text=True, timeout=120, check=True).stdout
+
+
+def test_curl_request_and_event_stream(endpoint, client):
+    expected = sdk_answer(client, QUESTION)
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": TOKENS}
+    reply = json.loads(curl(f"{endpoint.url}/chat/completions", "-H", "Content-Type: application/json",
+                            "-d", json.dumps(body)))
+    assert reply["choices"][0]["message"]["content"] == expected.text
+    events = curl(f"{endpoint.url}/chat/completions", "-H", "Content-Type: application/json",
+                  "-d", json.dumps({**body, "stream": True}))
+    data = [line[len("data: "):] for line in events.split("\n\n") if line]
+    assert data[-1] == "[DONE]"
+    chunks = [json.loads(d) for d in data[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == expected.text
+    assert chunks[-1]["choices"][0]["finish_reason"] == FINISH[expected.finish_reason]
+
+
+# -- errors -----------------------------------------------------------------------------------------------
+def error_of(body: dict) -> dict:
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+def test_malformed_json_is_a_400(endpoint):
+    url = f"{endpoint.url}/chat/completions"
+    status, body = post(url, b'{"model": "x", "messages": [')
+    assert status == 400 and error_of(body)["type"] == "invalid_request_error" and "JSON" in error_of(body)["message"]
+    status, body = post(url, json.dumps({"model": MODEL, "messages": "hello"}).encode())
+    assert status == 400 and error_of(body)["param"] == "messages"
+    status, body = post(url, json.dumps({"model": MODEL, "messages": QUESTION, "temperature": 7}).encode())
+    assert status == 400 and error_of(body)["param"] == "temperature"
+
+
+def test_unknown_model_is_a_404(endpoint):
+    with pytest.raises(openai.NotFoundError) as e:
+        endpoint.openai().chat.completions.create(model="gpt-4o", messages=QUESTION)
+    assert e.value.body["code"] == "model_not_found" and MODEL in e.value.body["message"]
+
+
+@pytest.mark.parametrize("extra, param", [({"n": 2}, "n"), ({"logprobs": True}, "logprobs"),
+                                          ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools")])
+def test_unsupported_options_are_refused(endpoint, extra, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        endpoint.openai().chat.completions.create(model=MODEL, messages=QUESTION, **extra)
+    assert e.value.body["param"] == param
+
+
+def test_a_prompt_past_the_context_is_a_400(endpoint, client):
+    long = [{"role": "user", "content": "lighthouse " * client.server_info().max_context}]
+    opened = len(endpoint.log.turns)
+    with pytest.raises(openai.BadRequestError) as e:
+        endpoint.openai().chat.completions.create(model=MODEL, messages=long, stream=True)
+    assert e.value.body["code"] == "context_length_exceeded"
+    assert len(endpoint.log.turns) == opened  # refused before anything was sent
+
+
+def test_unreachable_server_is_a_503(bundles):
+    client = Client(f"127.0.0.1:{free_port()}", bundles.client_dir, timeout=5)
+    http = Uvicorn(create_app(SessionPool(client), MODEL))
+    try:
+        api = openai.OpenAI(base_url=http.url, api_key="unused", max_retries=0)
+        for stream in (False, True):
+            with pytest.raises(openai.InternalServerError) as e:
+                api.chat.completions.create(model=MODEL, messages=QUESTION, stream=stream)
+            assert e.value.status_code == 503 and "unreachable" in e.value.body["message"]
+    finally:
+        http.stop()
+        client.close()
+
+
+def test_wrong_or_missing_api_key_is_a_401(endpoint):
+    http = Uvicorn(create_app(SessionPool(endpoint.client), MODEL, api_key="s3cret-key"))
+    try:
+        api = openai.OpenAI(base_url=http.url, api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError) as e:
+            api.models.list()
+        assert e.value.body["code"] == "invalid_api_key"
+        status, body = post(f"{http.url}/chat/completions", json.dumps({"model": MODEL, "messages": QUESTION}).encode())
+        assert status == 401 and error_of(body)["code"] == "invalid_api_key"
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(f"{http.url}/models", timeout=30)
+        assert e.value.code == 401 and error_of(json.loads(e.value.read()))["code"] == "invalid_api_key"
+        api = openai.OpenAI(base_url=http.url, api_key="s3cret-key", max_retries=0)
+        assert [m.id for m in api.models.list().data] == [MODEL]
+    finally:
+        http.stop()
+
+
+def test_evicted_sessions_are_deleted_on_the_server(server, endpoint):
+    """Four different conversations through a pool of three: the least recently used session is deleted
+    from the server's store; the pool's own sessions are deleted when the endpoint shuts down."""
+    pool = SessionPool(endpoint.client, max_sessions=3)
+    http = Uvicorn(create_app(pool, MODEL, defaults=SamplingParams(max_new_tokens=2)))
+    api = openai.OpenAI(base_url=http.url, api_key="unused", max_retries=0)
+    before = len(endpoint.log.turns)
+    try:
+        for topic in ("rivers", "mountains", "deserts", "forests"):
+            question = f"{topic} " * 12 + "- say something about these."  # conversations that share little
+            api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": question}])
+        ids = [t["requests"][0].open.session_id for t in endpoint.log.turns[before:]]
+        stored = [StoredSession(server.settings.store, sid).exists() for sid in ids]
+        assert len(set(ids)) == 4 and pool.stats.num_evicted == 1 and stored == [False, True, True, True]
+    finally:
+        http.stop()
+    assert not any(StoredSession(server.settings.store, sid).exists() for sid in ids)  # deleted at shutdown
+
+
+def test_model_name_comes_from_the_bundle_directory(tmp_path):
+    assert bundle_model_name(tmp_path / "qwen7b" / "client") == "qwen7b"
+    assert bundle_model_name(tmp_path / "my-bundle") == "my-bundle"
