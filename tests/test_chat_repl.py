@@ -9,6 +9,7 @@ import sys
 
 import pexpect
 import pytest
+import torch
 
 from infemeral.client.chat_repl import LineReader
 from infemeral.client.sampling import SamplingParams
@@ -78,3 +79,34 @@ def test_ctrl_c_stops_the_answer_and_keeps_the_session(server, client, bundles, 
     assert "typed but never sent" not in history.read_text()
     for session in (saved, reference):
         session.delete()
+
+
+@pytest.mark.slow
+def test_an_answer_closed_early_leaves_both_caches_as_they_were(server, client):
+    """What Ctrl-C (and a client leaving the OpenAI endpoint) does: close the answer's generator mid-way.
+    Nothing is committed: the local cache's tensors, the stored ciphertext and the transcript are unchanged,
+    and the next turn answers exactly as if the stopped message had never been sent."""
+    from conftest import StoredSession
+
+    params = SamplingParams(max_new_tokens=40)
+    session = client.new_session()
+    session.chat(FIRST, params)
+    stored = StoredSession(server.settings.store, session.id)
+    before = (session.version, list(session.history_ids), list(session.messages), stored.read_bytes(),
+              [tuple(t.clone() for t in session.cache.layer_tensors(i)) for i in range(session.cache.num_layers)])
+    deltas = session.stream(LONG, params)
+    for _ in range(3):
+        next(deltas)
+    deltas.close()
+    assert session.cache.length == session.cache.committed_length == len(before[1])
+    after = (session.version, session.history_ids, session.messages, stored.read_bytes())
+    assert after == before[:4]
+    for (k0, v0), i in zip(before[4], range(session.cache.num_layers)):
+        k1, v1 = session.cache.layer_tensors(i)
+        assert torch.equal(k0, k1) and torch.equal(v0, v1)
+    answer = session.chat(THIRD, params)
+    reference = client.new_session()
+    reference.chat(FIRST, params)
+    assert answer.token_ids == reference.chat(THIRD, params).token_ids
+    for s in (session, reference):
+        s.delete()

@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import shutil
+import signal
 import subprocess
+import sys
 import threading
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import openai
@@ -282,7 +286,8 @@ def test_unknown_model_is_a_404(endpoint):
 
 
 @pytest.mark.parametrize("extra, param", [({"n": 2}, "n"), ({"logprobs": True}, "logprobs"),
-                                          ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools")])
+                                          ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+                                          ({"frequency_penalty": 0.5}, "frequency_penalty")])
 def test_unsupported_options_are_refused(endpoint, extra, param):
     with pytest.raises(openai.BadRequestError) as e:
         endpoint.openai().chat.completions.create(model=MODEL, messages=QUESTION, **extra)
@@ -352,3 +357,50 @@ def test_evicted_sessions_are_deleted_on_the_server(server, endpoint):
 def test_model_name_comes_from_the_bundle_directory(tmp_path):
     assert bundle_model_name(tmp_path / "qwen7b" / "client") == "qwen7b"
     assert bundle_model_name(tmp_path / "my-bundle") == "my-bundle"
+
+
+# -- the command ------------------------------------------------------------------------------------------
+def test_serve_refuses_an_open_address_without_a_key(capsys):
+    from infemeral.client import cli
+    from infemeral.client.openai_serve import check_exposure
+
+    assert cli.main(["serve", "--host", "0.0.0.0", "--client-bundle", "/nonexistent"]) == 2
+    assert "refusing to serve on 0.0.0.0 without --api-key" in capsys.readouterr().err
+    check_exposure("0.0.0.0", "key")
+    assert "plain HTTP" in capsys.readouterr().err
+    for host in ("127.0.0.1", "localhost", "::1", "127.0.0.2"):
+        check_exposure(host, None)
+
+
+def test_serve_command_answers_and_deletes_its_sessions_on_exit(server, bundles, client):
+    port = free_port()
+    stored_before = stored_sessions(server)
+    env = dict(os.environ, INFEMERAL_SERVER=f"127.0.0.1:{server.port}", INFEMERAL_CLIENT_BUNDLE=str(bundles.client_dir))
+    proc = subprocess.Popen([sys.executable, "-m", "infemeral.client.cli", "serve", "--port", str(port),
+                             "--api-key", "k3y", "--max-new-tokens", str(TOKENS)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k3y", max_retries=0)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                name = api.models.list().data[0].id
+                break
+            except openai.APIConnectionError:
+                assert proc.poll() is None and time.monotonic() < deadline, "serve did not start"
+                time.sleep(0.2)
+        assert name == bundle_model_name(bundles.client_dir)
+        reply = api.chat.completions.create(model=name, messages=QUESTION)
+        assert reply.choices[0].message.content == sdk_answer(client, QUESTION).text
+        assert len(stored_sessions(server) - stored_before) == 1  # the endpoint's session, kept for reuse
+    finally:
+        proc.send_signal(signal.SIGINT)
+        output = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 0, output
+    assert f"http://127.0.0.1:{port}/v1" in output and "prompt tokens" in output  # counts are logged
+    assert QUESTION[0]["content"] not in output and reply.choices[0].message.content not in output  # no text in logs
+    assert stored_sessions(server) <= stored_before  # deleted on the way out
+
+
+def stored_sessions(server) -> set[str]:
+    return {p.name for p in Path(server.settings.store).iterdir() if (p / "manifest").exists()}

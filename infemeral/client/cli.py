@@ -253,8 +253,8 @@ def cmd_serve(args) -> int:
     if args.server_api_key:
         given["api_key"] = args.server_api_key
     settings = settings_from_args(ClientSettings, argparse.Namespace(**given))
-    with _client(settings) as client:
-        return serve(client, serve_settings, _sampling(settings, client), settings.server)
+    return serve(serve_settings, lambda: _client(settings), lambda client: _sampling(settings, client),
+                 settings.server)
 
 
 def cmd_info(args) -> int:

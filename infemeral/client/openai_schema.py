@@ -42,6 +42,9 @@ class _Request(BaseModel):
     n: int | None = Field(None, ge=1)
     stream: bool | None = False
     stream_options: dict | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict | None = None
     # not in OpenAI's API, but sent by tools written for vLLM / llama.cpp servers
     top_k: int | None = Field(None, ge=0)
     repetition_penalty: float | None = Field(None, gt=0)
@@ -50,6 +53,12 @@ class _Request(BaseModel):
         if self.n not in (None, 1):
             raise RequestError(400, "n > 1 is not supported: this endpoint generates one choice per request",
                                param="n", code="unsupported_parameter")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise RequestError(400, f"{name} is not supported; use repetition_penalty (e.g. 1.1) instead",
+                                   param=name, code="unsupported_parameter")
+        if self.logit_bias:
+            raise RequestError(400, "logit_bias is not supported", param="logit_bias", code="unsupported_parameter")
 
     @property
     def stop_strings(self) -> list[str]:

@@ -11,12 +11,11 @@ from __future__ import annotations
 import ipaddress
 import logging
 import sys
+from collections.abc import Callable
 
 from infemeral.client.openai_api import bundle_model_name, create_app
 from infemeral.client.session_pool import SessionPool
 from infemeral.errors import FailedPrecondition, InfemeralError, StatusError
-
-log = logging.getLogger(__name__)
 
 
 def is_loopback(host: str) -> bool:
@@ -54,18 +53,23 @@ def check_server(client) -> None:
                                  "against; use the matching pair (`infemeral-client info`)")
 
 
-def serve(client, settings, defaults, server_address: str) -> int:
-    """Serve until interrupted; delete the pool's sessions on the server on the way out."""
+def serve(settings, open_client: Callable[[], object], sampling: Callable[[object], object],
+          server_address: str) -> int:
+    """Serve until interrupted, then delete the pool's sessions on the server. `open_client()` makes the
+    infemeral Client (after the exposure check, so a refused address costs nothing); `sampling(client)` gives
+    the defaults for requests that leave values out."""
     import uvicorn
 
     check_exposure(settings.host, settings.api_key)
-    check_server(client)
-    name = settings.model_name or bundle_model_name(client.bundle.directory)
-    pool = SessionPool(client, max_sessions=settings.max_sessions)
-    app = create_app(pool, name, api_key=settings.api_key, defaults=defaults)
-    logging.getLogger("infemeral").setLevel(logging.INFO)
-    host = f"[{settings.host}]" if ":" in settings.host else settings.host
-    print(f"OpenAI-compatible endpoint: http://{host}:{settings.port}/v1 (model {name!r}), forwarding to "
-          f"{server_address}; key: {'required' if settings.api_key else 'none (loopback only)'}", file=sys.stderr)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info", timeout_graceful_shutdown=30)
+    with open_client() as client:
+        check_server(client)
+        name = settings.model_name or bundle_model_name(client.bundle.directory)
+        pool = SessionPool(client, max_sessions=settings.max_sessions)
+        app = create_app(pool, name, api_key=settings.api_key, defaults=sampling(client))
+        logging.getLogger("infemeral").setLevel(logging.INFO)
+        host = f"[{settings.host}]" if ":" in settings.host else settings.host
+        print(f"OpenAI-compatible endpoint: http://{host}:{settings.port}/v1 (model {name!r}), forwarding to "
+              f"{server_address}; API key {'required' if settings.api_key else 'not required (loopback only)'}",
+              file=sys.stderr, flush=True)
+        uvicorn.run(app, host=settings.host, port=settings.port, log_level="info", timeout_graceful_shutdown=30)
     return 0
