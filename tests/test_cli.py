@@ -39,7 +39,7 @@ def cli_env(bundles, server_process, tmp_path):
 
 def test_help_explains_commands():
     out = run_cli("--help").stdout
-    for command in ("prepare", "generate", "chat", "info", "audit", "delete", "forget-answers"):
+    for command in ("prepare", "generate", "chat", "info", "audit", "delete", "forget-answers", "serve"):
         assert command in out
     gen = run_cli("generate", "--help").stdout
     assert "INFEMERAL_TEMPERATURE" in gen and "--max-new-tokens" in gen
