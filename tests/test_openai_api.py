@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import os
 import shutil
 import signal
@@ -404,3 +405,16 @@ def test_serve_command_answers_and_deletes_its_sessions_on_exit(server, bundles,
 
 def stored_sessions(server) -> set[str]:
     return {p.name for p in Path(server.settings.store).iterdir() if (p / "manifest").exists()}
+
+
+def test_endpoint_logs_carry_counts_not_text(endpoint, caplog):
+    caplog.set_level(logging.DEBUG)
+    secret = "My password is hunter2-swordfish."
+    api = endpoint.openai()
+    reply = api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": secret}], max_tokens=6)
+    streamed = "".join(c.choices[0].delta.content or "" for c in api.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": secret + " Again."}], max_tokens=6, stream=True))
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert "chat completion:" in text and "prompt tokens" in text
+    for payload in ("hunter2", reply.choices[0].message.content.strip()[:12], streamed.strip()[:12]):
+        assert payload and payload not in text
