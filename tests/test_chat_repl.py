@@ -32,7 +32,7 @@ def test_multi_line_messages_from_a_pipe():
 def test_ctrl_c_stops_the_answer_and_keeps_the_session(server, client, bundles, tmp_path):
     env = dict(os.environ, INFEMERAL_SERVER=f"127.0.0.1:{server.port}", INFEMERAL_CLIENT_BUNDLE=str(bundles.client_dir),
                INFEMERAL_SESSIONS_DIR=str(tmp_path / "sessions"), INFEMERAL_CHAT_HISTORY=str(tmp_path / "history"),
-               TERM="dumb")
+               INFEMERAL_ANSWER_INDEX_DIR=str(tmp_path / "answers"), TERM="dumb")
     chat = pexpect.spawn(sys.executable, ["-m", "infemeral.client.cli", "chat", "--session", "repl",
                                           "--max-new-tokens", str(MAX_TOKENS), "--temperature", "0"],
                          env=env, encoding="utf-8", timeout=120, dimensions=(40, 200))

@@ -109,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     _local_compute(s)
     group = s.add_argument_group("sampling defaults")
     add_settings_flags(group, ClientSettings, SAMPLING)
+    group = s.add_argument_group("speculative decoding (several tokens per round trip; same output)")
+    add_settings_flags(group, ClientSettings, SPECULATION)
 
     i = sub.add_parser("info", help="show what the server serves and how the laptop's half computes")
     add_settings_flags(i, ClientSettings, CONNECTION)
