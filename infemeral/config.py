@@ -39,7 +39,17 @@ class ServerSettings(BaseSettings):
     max_batch_hold: float = Field(0.0, ge=0, description="seconds a forward pass may wait for sessions about to "
                                                          "send their next step, so they share it (0: never wait; "
                                                          "e.g. 0.05 to try)")
-    workers: int = Field(32, ge=1, description="gRPC worker threads")
+    max_streams: int = Field(0, ge=0, description="most Turn streams open at once, turns not yet opened included; "
+                                                  "more are refused at once with RESOURCE_EXHAUSTED "
+                                                  "(0: four times max_sessions)")
+    turn_idle_seconds: float = Field(30.0, gt=0, description="a turn whose client sends nothing for this long is "
+                                                             "aborted (DEADLINE_EXCEEDED, nothing committed) and its "
+                                                             "session and KV pages released; the SDK keeps busy "
+                                                             "turns alive")
+    max_turn_seconds: float = Field(3600.0, gt=0, description="a turn open longer than this is aborted the same way "
+                                                              "(above the SDK's default 600 s turn deadline)")
+    workers: int = Field(8, ge=1, description="threads for session deletes (turns get one thread per "
+                                              "max_sessions slot for their store I/O and encryption)")
     verify_bundle: bool = Field(True, description="check the bundle's file hashes at start-up")
     grace_seconds: float = Field(10.0, ge=0, description="how long SIGTERM waits for open turns")
     tls_cert: Path | None = Field(None, description="server certificate chain (PEM); with --tls-key turns TLS on")

@@ -63,7 +63,17 @@ class Unavailable(StatusError):
 
 
 class ResourceExhausted(StatusError):
+    """A limit was reached; `retry_after` (seconds) goes to the client as `retry-after-ms` metadata."""
+
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None, *, retry_after: float = 1.0):
+        super().__init__(message, code)
+        self.retry_after = retry_after
+
+
+class DeadlineExceeded(StatusError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
 
 
 class UnsupportedModel(InfemeralError):
@@ -80,7 +90,7 @@ class NoChatTemplate(InfemeralError):
 
 _BY_CODE = {cls.code: cls for cls in (InvalidArgument, FailedPrecondition, PermissionDenied,
                                      NotFound, Aborted, DataLoss, OutOfRange, Unavailable,
-                                     ResourceExhausted)}
+                                     ResourceExhausted, DeadlineExceeded)}
 
 
 def from_rpc_error(err: grpc.RpcError) -> StatusError:

@@ -54,16 +54,11 @@ def server_credentials(cert: Path | None, key: Path | None, client_ca: Path | No
                                        root_certificates=root, require_client_auth=root is not None)
 
 
-class ApiKeyInterceptor(grpc.ServerInterceptor):
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     """Refuse calls without a valid API key (UNAUTHENTICATED); health checks stay open."""
 
     def __init__(self, keys: Iterable[str]):
         self._keys = [k.encode() for k in keys]
-
-        def deny(request_or_iterator, context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key; set INFEMERAL_API_KEY")
-
-        self._deny = deny
 
     def _allowed(self, metadata) -> bool:
         sent = next((v for k, v in metadata or () if k == API_KEY_HEADER), None)
@@ -75,20 +70,24 @@ class ApiKeyInterceptor(grpc.ServerInterceptor):
             ok |= hmac.compare_digest(sent, key)
         return ok
 
-    def intercept_service(self, continuation, handler_call_details):
+    async def intercept_service(self, continuation, handler_call_details):
         if handler_call_details.method.startswith(OPEN_METHODS_PREFIX) or \
                 self._allowed(handler_call_details.invocation_metadata):
-            return continuation(handler_call_details)
-        handler = continuation(handler_call_details)
+            return await continuation(handler_call_details)
+        handler = await continuation(handler_call_details)
         if handler is None:
             return None
+
+        async def deny(request_or_iterator, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key; set INFEMERAL_API_KEY")
+
         if handler.request_streaming and handler.response_streaming:
-            return grpc.stream_stream_rpc_method_handler(self._deny)
+            return grpc.stream_stream_rpc_method_handler(deny)
         if handler.request_streaming:
-            return grpc.stream_unary_rpc_method_handler(self._deny)
+            return grpc.stream_unary_rpc_method_handler(deny)
         if handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(self._deny)
-        return grpc.unary_unary_rpc_method_handler(self._deny)
+            return grpc.unary_stream_rpc_method_handler(deny)
+        return grpc.unary_unary_rpc_method_handler(deny)
 
 
 class _ApiKeyClientInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):

@@ -25,7 +25,7 @@ ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 # Every field a TurnRequest may carry, per message type; anything else is a leak.
 ALLOWED = {
-    "infemeral.v1.TurnRequest": {"open", "step", "truncate", "commit"},
+    "infemeral.v1.TurnRequest": {"open", "step", "truncate", "commit", "keepalive"},
     # turn ids are 16 random bytes naming a turn; reserve_tokens, evict, cache_length and outputs are counts,
     # not token data
     "infemeral.v1.OpenTurn": {"session_id", "session_key", "expected_version", "bundle_fingerprint", "turn_id",
@@ -34,6 +34,7 @@ ALLOWED = {
     "infemeral.v1.Tensor": {"data", "dtype", "shape"},
     "infemeral.v1.Truncate": {"tokens", "cache_length"},
     "infemeral.v1.Commit": set(),
+    "infemeral.v1.KeepAlive": set(),  # sent while a slow client computes: carries nothing
 }
 
 

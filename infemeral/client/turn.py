@@ -31,6 +31,7 @@ import grpc
 import torch
 
 from infemeral.client.drafting import DraftSource
+from infemeral.client.keepalive import KeepAlive
 from infemeral.client.pending import PendingCommit
 from infemeral.client.result import TurnResult
 from infemeral.client.sampling import Sampler, SamplingParams
@@ -45,13 +46,16 @@ class TurnStream:
     """One bidirectional Turn RPC: send requests, read responses in order.
 
     Requests may be sent ahead of the replies (a truncation and the next step travel together);
-    the server answers each in order."""
+    the server answers each in order. While the client is busy between messages (a slow laptop), keep-alives
+    stop the server's turn-idle deadline from firing."""
 
     def __init__(self, client):
         self._requests: queue.Queue = queue.Queue()
+        self._keepalive = KeepAlive(self._requests.put, client.server_info().turn_idle_seconds)
         self._responses = client.stub.Turn(iter(self._requests.get, None), timeout=client.timeout)
 
     def send(self, request: pb.TurnRequest) -> None:
+        self._keepalive.sent()
         self._requests.put(request)
 
     def receive(self, expect: str):
@@ -73,6 +77,7 @@ class TurnStream:
     def close(self) -> None:
         """End the stream. Half-close first and wait for the server to finish the call, so that the
         session is released on the server before the next turn opens; then make sure it is over."""
+        self._keepalive.stop()
         self._requests.put(None)
         try:
             for _ in self._responses:

@@ -93,16 +93,20 @@ class ServerBundle:
 
     @classmethod
     def open(cls, directory: str | Path, verify: bool = True) -> "ServerBundle":
+        """The manifest and model config (quick); with `verify`, also every file's hash (reads the weights)."""
         directory = Path(directory).expanduser()
         manifest = read_manifest(directory, SERVER_FORMAT)
+        bundle = cls(directory, manifest, AutoConfig.from_pretrained(directory))
         if verify:
-            for name, digest in manifest["files"].items():
-                if sha256_file(directory / name) != digest:
-                    raise FailedPrecondition(f"server bundle file {name} does not match its manifest; re-upload the bundle")
-            if fingerprint(manifest) != manifest["fingerprint"]:
-                raise FailedPrecondition("server bundle manifest has been modified; re-upload the bundle")
-        config = AutoConfig.from_pretrained(directory)
-        return cls(directory, manifest, config)
+            bundle.verify()
+        return bundle
+
+    def verify(self) -> None:
+        for name, digest in self.manifest["files"].items():
+            if sha256_file(self.directory / name) != digest:
+                raise FailedPrecondition(f"server bundle file {name} does not match its manifest; re-upload the bundle")
+        if fingerprint(self.manifest) != self.manifest["fingerprint"]:
+            raise FailedPrecondition("server bundle manifest has been modified; re-upload the bundle")
 
     def layer_weights(self, index: int) -> dict[str, torch.Tensor]:
         return load_file(str(self.directory / layer_file(index)))

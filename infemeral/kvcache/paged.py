@@ -216,6 +216,8 @@ class PagedBatch:
     Passed to the model's attention modules both as the cache (`update` writes
     the new keys/values into each session's own pages) and as `paged=` (the
     attention function reads back through the backend with the CSR arrays).
+    `kv_sums` lets the model runner screen everything written for inf/NaN
+    without a device sync per layer.
     """
 
     def __init__(self, pool: PagePool, sequences: list[PagedSequence], new_tokens: list[int], backend):
@@ -245,11 +247,13 @@ class PagedBatch:
         self.write_offsets = torch.tensor(offsets, dtype=torch.long).to(dev)
         self.positions = torch.tensor(positions, dtype=torch.long).to(dev).unsqueeze(0)
         backend.plan(self)
+        self.kv_sums: list[torch.Tensor] = []  # per layer, in float32: inf/NaN in anything written shows here
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         slot = layer_idx - self.pool.first_layer
         self.pool.k[slot][self.write_pages, self.write_offsets] = key_states[0].transpose(0, 1)
         self.pool.v[slot][self.write_pages, self.write_offsets] = value_states[0].transpose(0, 1)
+        self.kv_sums += [key_states.sum(dtype=torch.float32), value_states.sum(dtype=torch.float32)]
         return key_states, value_states
 
     def attend(self, layer_idx: int, query: torch.Tensor, scaling: float, sliding_window=None) -> torch.Tensor:

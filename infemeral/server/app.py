@@ -1,11 +1,19 @@
-"""Build and run the gRPC server: engine, service, health and reflection."""
+"""Build and run the server: addresses first, then the model; gRPC on asyncio, health and reflection.
+
+`Server` is a synchronous facade over grpc's asyncio server, whose event loop
+runs on a thread of its own: `Server(settings).start()`, `.port`, `.stop()`
+work from plain code (the CLI, tests, benchmarks). Start-up settles everything
+the environment can refuse — TLS files, the listen addresses, the metrics
+port — before the slow part (verifying and loading the model), and binds every
+address or none (see `listen.py`).
+"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
 import threading
-from concurrent import futures
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -15,14 +23,23 @@ from infemeral.cloak.bundle import ServerBundle
 from infemeral.config import ServerSettings
 from infemeral.protocol import SERVICE_NAME, pb_grpc
 from infemeral.server.engine import Engine
+from infemeral.server.listen import CannotListen, ListenAddress, bind_all, reason
 from infemeral.server.metrics import Metrics
-from infemeral.server.service import InfemeralService
+from infemeral.server.service import InfemeralService, ServiceLimits
 from infemeral.storage.base import open_store
 from infemeral.transport import ApiKeyInterceptor, is_loopback, read_api_keys, server_credentials
 
 log = logging.getLogger(__name__)
 
 WIRE_OVERHEAD = 1 << 16
+MAINTENANCE_SECONDS = 5.0
+PORT_ZERO_ATTEMPTS = 5  # port 0 on a host name: the port the first address got may be taken on another
+
+
+def service_limits(settings: ServerSettings) -> ServiceLimits:
+    return ServiceLimits(max_streams=settings.max_streams or 4 * settings.max_sessions,
+                         turn_idle_seconds=settings.turn_idle_seconds, max_turn_seconds=settings.max_turn_seconds,
+                         delete_threads=settings.workers)
 
 
 class Server:
@@ -30,12 +47,55 @@ class Server:
 
     def __init__(self, settings: ServerSettings):
         self.settings = settings
-        self._stopped = threading.Event()
-        bundle = ServerBundle.open(settings.bundle, verify=settings.verify_bundle)
         self.metrics = Metrics()
-        self.engine = Engine(bundle, open_store(settings.store, settings.session_ttl_seconds),
-                             settings.engine_config(), metrics=self.metrics)
-        self.max_message_bytes = settings.max_step_tokens * bundle.config.hidden_size * 4 + WIRE_OVERHEAD
+        self.metrics_port: int | None = None
+        self.engine: Engine | None = None
+        self.service: InfemeralService | None = None
+        self.grpc_server: grpc.aio.Server | None = None
+        self._stopped = threading.Event()
+        self._loop = asyncio.new_event_loop()
+        self._loop_thread = threading.Thread(target=self._loop.run_forever, name="infemeral-grpc", daemon=True)
+        self._loop_thread.start()
+        try:
+            self._build()
+        except BaseException:
+            self._shut(grace=0)
+            raise
+
+    def _build(self) -> None:
+        s = self.settings
+        listen = ListenAddress.parse(s.listen)
+        credentials = server_credentials(s.tls_cert, s.tls_key, s.tls_client_ca)
+        if credentials is None and not is_loopback(s.listen) and not s.allow_plaintext:
+            raise ValueError(f"refusing plaintext gRPC on {s.listen}: set INFEMERAL_TLS_CERT and "
+                             "INFEMERAL_TLS_KEY, or INFEMERAL_ALLOW_PLAINTEXT=true behind a TLS proxy you control")
+        keys = read_api_keys(s.api_keys, s.api_keys_file)
+        bundle = ServerBundle.open(s.bundle, verify=False)  # manifest and config only: the message size limit
+        self.max_message_bytes = s.max_step_tokens * bundle.config.hidden_size * 4 + WIRE_OVERHEAD
+        self.port = self._call(self._bind(listen, credentials, keys))
+        if s.metrics_port:
+            self.metrics_port = self._listen_metrics(s.metrics_host, s.metrics_port)
+        if credentials is None and not is_loopback(s.listen):
+            log.warning("serving plaintext gRPC on %s: the session key and hidden states cross the network "
+                        "in the clear unless a TLS proxy terminates in front of this server", s.listen)
+        # The slow part, now that nothing the environment refuses can stop the server any more.
+        if s.verify_bundle:
+            bundle.verify()
+        self.engine = Engine(bundle, open_store(s.store, s.session_ttl_seconds), s.engine_config(),
+                             metrics=self.metrics)
+        self.service = InfemeralService(self.engine, service_limits(s), self.max_message_bytes)
+        self.metrics.pool_total.set(self.engine.pool.num_pages)
+        self.metrics.pool_used.set_function(lambda: self.engine.pool.num_pages - self.engine.pool.free_pages)
+        self.metrics.active_turns.set_function(lambda: self.engine.active_turns)
+        self.metrics.turn_streams.set_function(lambda: self.service.num_streams)
+        self._call(self._add_services())
+
+    # -- on the event loop ----------------------------------------------------------------------------
+    def _call(self, coroutine):
+        """Run a coroutine on the server's event loop and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    async def _bind(self, listen: ListenAddress, credentials, keys: list[str]) -> int:
         options = [
             ("grpc.max_receive_message_length", self.max_message_bytes),
             ("grpc.max_send_message_length", self.max_message_bytes),
@@ -44,49 +104,68 @@ class Server:
             ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
             ("grpc.so_reuseport", 0),
         ]
-        keys = read_api_keys(settings.api_keys, settings.api_keys_file)
         interceptors = [ApiKeyInterceptor(keys)] if keys else []
-        self.grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=settings.workers), options=options,
-                                       interceptors=interceptors)
-        self.metrics.pool_total.set(self.engine.pool.num_pages)
-        self.metrics.pool_used.set_function(lambda: self.engine.pool.num_pages - self.engine.pool.free_pages)
-        self.metrics.active_turns.set_function(lambda: self.engine.active_turns)
-        pb_grpc.add_InfemeralServicer_to_server(InfemeralService(self.engine, self.max_message_bytes),
-                                                self.grpc_server)
-        self.health = health.HealthServicer()
+        for attempt in range(PORT_ZERO_ATTEMPTS):
+            self.grpc_server = grpc.aio.server(options=options, interceptors=interceptors)
+            if credentials is not None:
+                def add_port(address): return self.grpc_server.add_secure_port(address, credentials)
+            else:
+                add_port = self.grpc_server.add_insecure_port
+            try:
+                return bind_all(listen, add_port)
+            except CannotListen:
+                await self.grpc_server.stop(None)
+                if listen.port != 0 or attempt == PORT_ZERO_ATTEMPTS - 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    async def _add_services(self) -> None:
+        pb_grpc.add_InfemeralServicer_to_server(self.service, self.grpc_server)
+        self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
                                             self.grpc_server)
-        credentials = server_credentials(settings.tls_cert, settings.tls_key, settings.tls_client_ca)
-        if credentials is not None:
-            self.port = self.grpc_server.add_secure_port(settings.listen, credentials)
-        else:
-            if not is_loopback(settings.listen) and not settings.allow_plaintext:
-                raise ValueError(f"refusing plaintext gRPC on {settings.listen}: set INFEMERAL_TLS_CERT and "
-                                 "INFEMERAL_TLS_KEY, or INFEMERAL_ALLOW_PLAINTEXT=true behind a TLS proxy you control")
-            if not is_loopback(settings.listen):
-                log.warning("serving plaintext gRPC on %s: the session key and hidden states cross the network "
-                            "in the clear unless a TLS proxy terminates in front of this server", settings.listen)
-            self.port = self.grpc_server.add_insecure_port(settings.listen)
-        if self.port == 0:
-            raise OSError(f"could not listen on {settings.listen}")
-        self.metrics_port = None
 
-    def start(self) -> "Server":
-        self.grpc_server.start()
-        self._purger = threading.Thread(target=self._purge_loop, name="infemeral-purge", daemon=True)
-        self._purger.start()
-        if self.settings.metrics_port:
-            self.metrics_port = self.metrics.serve(self.settings.metrics_host, self.settings.metrics_port)
+    async def _start(self) -> None:
+        await self.grpc_server.start()
         for name in ("", SERVICE_NAME):
-            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    async def _stop(self, grace: float) -> None:
+        if self.service is not None:
+            await self.health.enter_graceful_shutdown()
+        if self.engine is not None:
+            self.engine.begin_shutdown()
+        if self.grpc_server is not None:
+            await self.grpc_server.stop(grace)
+        if self.service is not None:
+            await self.service.finish()
+
+    def _listen_metrics(self, host: str, port: int) -> int:
+        try:
+            return self.metrics.serve(host, port)
+        except OSError as e:
+            raise CannotListen(f"cannot listen on the metrics port {host}:{port}: {reason(e)}") from None
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+    def start(self) -> "Server":
+        self._call(self._start())
+        self._maintainer = threading.Thread(target=self._maintain, name="infemeral-maintenance", daemon=True)
+        self._maintainer.start()
         log.info("listening on %s (port %d)", self.settings.listen, self.port)
         return self
 
-    def _purge_loop(self) -> None:
-        """Delete expired sessions now and then (Redis expires keys by itself)."""
-        interval = min(600.0, max(1.0, self.settings.session_ttl_seconds / 4))
-        while not self._stopped.wait(interval):
+    def _maintain(self) -> None:
+        """Now and then: release store locks a failed close left behind; delete expired sessions (Redis
+        expires keys by itself)."""
+        purge_every = min(600.0, max(1.0, self.settings.session_ttl_seconds / 4))
+        since_purge = 0.0
+        while not self._stopped.wait(MAINTENANCE_SECONDS):
+            self.engine.release_leftover_locks()
+            since_purge += MAINTENANCE_SECONDS
+            if since_purge < purge_every:
+                continue
+            since_purge = 0.0
             try:
                 purged = self.engine.store.purge_expired()
                 if purged:
@@ -96,16 +175,27 @@ class Server:
 
     def stop(self, grace: float | None = None) -> None:
         """Stop taking new turns, let open ones finish within `grace` seconds, then stop."""
-        self.health.enter_graceful_shutdown()
-        self.engine.begin_shutdown()
-        self.grpc_server.stop(self.settings.grace_seconds if grace is None else grace).wait()
+        if not self._stopped.is_set():
+            self._shut(self.settings.grace_seconds if grace is None else grace)
+
+    def _shut(self, grace: float) -> None:
         self._stopped.set()
-        self.metrics.stop()
-        self.engine.stop()
-        self.engine.store.close()
+        try:
+            self._call(self._stop(grace))
+        finally:
+            if self.service is not None:
+                self.service.close()
+            self.metrics.stop()
+            if self.engine is not None:
+                self.engine.stop()
+                self.engine.store.close()
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._loop_thread.join(timeout=10)
+            if not self._loop_thread.is_alive():
+                self._loop.close()
 
     def wait(self) -> None:
-        self.grpc_server.wait_for_termination()
+        self._stopped.wait()
 
     def __enter__(self) -> "Server":
         return self.start()

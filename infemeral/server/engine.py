@@ -7,6 +7,14 @@ scheduler pick a batch, let the model runner run it, deliver the answers — so
 the pending steps of *all* sessions share one ragged forward pass (continuous
 batching: prefill and decode mixed, no padding). All page-pool mutations made
 for steps happen on that worker, so sessions can never step on each other.
+
+Opening a turn is two moves so that an asyncio front end never blocks: `claim_turn`
+(checks and a turn slot, instant) and `load_turn` (store lock, page quota,
+decryption: run it on a thread). Closing never fails half-way and never
+waits: whatever the store or a running step does, the slot and the session
+are released, and the pages are wiped (by the worker, if it is still running a
+step of the turn). A lock the store could not release is released again when
+the store answers; until then its lease runs out by itself.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ from infemeral.server.metrics import NullMetrics
 from infemeral.server.model_runner import ModelRunner
 from infemeral.server.scheduler import Scheduler, StepRequest
 from infemeral.server.turn import Turn
-from infemeral.storage.base import Store
+from infemeral.storage.base import SessionLock, Store
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +49,13 @@ SESSION_KEY_BYTES = 32
 BUSY_GRACE_SECONDS = 2.0
 WAIT_POLL_SECONDS = 0.02  # how often steps waiting for pages are retried
 SHUTTING_DOWN = "server is shutting down; retry on another replica or later"
+OVERFLOWED = ("the step's activations overflowed to inf/NaN in the server's {dtype} (the hidden states sent are "
+              "far larger than the model produces); the turn was aborted and nothing was committed — reopen the "
+              "session and retry")
+
+
+class SessionInTurn(Aborted):
+    """This server already runs a turn of the session (a reconnecting client may wait briefly for it)."""
 
 
 def short_id(session_id: bytes) -> str:
@@ -77,6 +92,8 @@ class Engine:
         self._stats = EngineStats()
         self._active: dict[bytes, Turn] = {}
         self._active_lock = threading.Condition()
+        self._unreleased: dict[bytes, SessionLock] = {}  # store locks whose release failed, to retry
+        self._unreleased_lock = threading.Lock()
         self._queue: queue.Queue[StepRequest | None] = queue.Queue()
         self._submit_lock = threading.Lock()  # orders submissions against the stop sentinel
         self._is_accepting = True             # new turns are welcome
@@ -133,9 +150,16 @@ class Engine:
     # -- turns -------------------------------------------------------------------------------------
     def open_turn(self, session_id: bytes, session_key: bytes, expected_version: int, fingerprint: str,
                   turn_id: bytes = b"", pending_turn_id: bytes = b"", reserve_tokens: int = 0) -> Turn:
-        """Take the session, grant the turn its page quota and load its committed cache.
+        """`claim_turn` (waiting briefly for a reconnecting client's old turn to end), then `load_turn`."""
+        turn = self.claim_turn(session_id, session_key, fingerprint, turn_id, pending_turn_id,
+                               wait=BUSY_GRACE_SECONDS)
+        self.load_turn(turn, expected_version, pending_turn_id, reserve_tokens)
+        return turn
 
-        `reserve_tokens` is what the client may add in this turn (0: undeclared, a whole window)."""
+    def claim_turn(self, session_id: bytes, session_key: bytes, fingerprint: str, turn_id: bytes = b"",
+                   pending_turn_id: bytes = b"", wait: float = 0.0) -> Turn:
+        """Check an open and take one of the `max_sessions` turn slots for the session. Touches no store and
+        never blocks (unless `wait` > 0: how long to wait for this server's running turn of the session)."""
         if len(session_id) != SESSION_ID_BYTES:
             raise InvalidArgument(f"session_id must be {SESSION_ID_BYTES} bytes, got {len(session_id)}")
         if len(session_key) != SESSION_KEY_BYTES:
@@ -150,60 +174,66 @@ class Engine:
         if not self._is_accepting:
             raise Unavailable(SHUTTING_DOWN)
         with self._active_lock:
-            # A client that lost its stream may reconnect before the server has seen the old stream end:
-            # give the old turn a moment to close before refusing.
+            if session_id in self._active and wait > 0:
+                self._active_lock.wait_for(lambda: session_id not in self._active, timeout=wait)
             if session_id in self._active:
-                self._active_lock.wait_for(lambda: session_id not in self._active, timeout=BUSY_GRACE_SECONDS)
-            if session_id in self._active:
-                raise Aborted("this session is already in a turn on this server; wait for it to finish "
-                              "(one turn at a time per session)")
+                raise SessionInTurn("this session is already in a turn on this server; wait for it to finish "
+                                    "(one turn at a time per session)")
             if len(self._active) >= self.config.max_sessions:
                 raise ResourceExhausted(f"server is serving its limit of {self.config.max_sessions} turns; "
-                                        "retry shortly")
+                                        "retry in a second", retry_after=1.0)
             turn = Turn(session_id, SessionKeys.derive(session_id, session_key), PagedSequence(self.pool),
                         turn_id=turn_id)
             self._active[session_id] = turn
+        return turn
+
+    def load_turn(self, turn: Turn, expected_version: int, pending_turn_id: bytes = b"",
+                  reserve_tokens: int = 0) -> None:
+        """Take the session in the store, grant the turn its page quota and load its committed cache (store
+        I/O, a wait of up to `admission_wait` for pages, decryption). On failure the turn is closed.
+
+        `reserve_tokens` is what the client may add in this turn (0: undeclared, a whole window)."""
         try:
-            self._load(turn, expected_version, pending_turn_id, reserve_tokens)
+            self._retry_release(turn.session_id)
+            turn.lock = self.persistence.lock(turn.session_id)
+            manifest = self.persistence.read_committed(turn.session_id, turn.keys, expected_version,
+                                                       pending_turn_id)
+            length = manifest.length if manifest else 0
+            turn.cache.grant(self.scheduler.quota_tokens(length, reserve_tokens), wait=self.config.admission_wait)
+            self.persistence.fill(turn.session_id, turn.keys, manifest, turn.cache)
+            turn.manifest, turn.version = manifest, manifest.version if manifest else 0
         except BaseException:
             self.close_turn(turn)
             raise
-        log.info("turn opened session=%s version=%d length=%d quota=%d", short_id(session_id), turn.version,
+        log.info("turn opened session=%s version=%d length=%d quota=%d", short_id(turn.session_id), turn.version,
                  turn.cache.length, turn.cache.quota_tokens)
-        return turn
-
-    def _load(self, turn: Turn, expected_version: int, pending_turn_id: bytes, reserve_tokens: int) -> None:
-        turn.lock = self.persistence.lock(turn.session_id)
-        manifest = self.persistence.read_committed(turn.session_id, turn.keys, expected_version, pending_turn_id)
-        length = manifest.length if manifest else 0
-        turn.cache.grant(self.scheduler.quota_tokens(length, reserve_tokens), wait=self.config.admission_wait)
-        self.persistence.fill(turn.session_id, turn.keys, manifest, turn.cache)
-        turn.manifest, turn.version = manifest, manifest.version if manifest else 0
 
     def submit_step(self, turn: Turn, hidden: torch.Tensor, cache_length: int, num_outputs: int = 1,
                     num_evicted: int = 0) -> Future:
         """Queue new positions [n, d] for the served layers; the future resolves to a `StepOutput`.
 
         Everything the client claims is checked here, before anything moves: its view of the cache
-        length, the outputs it asks for, and the eviction its window makes before this step."""
+        length, the outputs it asks for, and the eviction its window makes before this step. Never
+        blocks; keeping the session's store lease alive (`Turn.refresh_lock`) is the caller's job."""
         num_tokens = hidden.shape[0]
         turn.require_open()
         turn.check_cache_length(cache_length)
         num_outputs = turn.check_outputs(num_tokens, num_outputs)
         turn.check_evict(num_evicted, self.window.tokens_to_evict(turn.cache.length, num_tokens))
-        turn.refresh_lock()
         step = StepRequest(turn, hidden, num_tokens, num_outputs, num_evicted)
         turn.begin_step()
         with self._submit_lock:
             if self._is_stopped:
-                turn.end_step()
+                if turn.end_step():
+                    self._wipe(turn)
                 raise Unavailable(SHUTTING_DOWN)
             self._queue.put(step)
         return step.future
 
     def step(self, turn: Turn, hidden: torch.Tensor, cache_length: int, num_outputs: int = 1,
              num_evicted: int = 0) -> StepOutput:
-        """`submit_step` and wait for the answer."""
+        """Refresh the store lease when due, `submit_step`, and wait for the answer."""
+        turn.refresh_lock()
         return self.submit_step(turn, hidden, cache_length, num_outputs, num_evicted).result()
 
     def truncate(self, turn: Turn, num_tokens: int, cache_length: int) -> int:
@@ -232,20 +262,53 @@ class Engine:
         return manifest.version
 
     def close_turn(self, turn: Turn) -> None:
-        """End a turn, committed or not: wipe plaintext and release the session. Never fails half-way."""
-        if not turn.close():  # waits for a step the worker is running
+        """End a turn, committed or not: release the session and its slot, wipe its pages. Never raises and
+        never waits; each part is tried whatever happened to the others."""
+        was_open, can_wipe = turn.close()
+        if not was_open:
             return
         try:
-            turn.cache.wipe()
-        finally:  # never leave the session locked in a turn, even if wiping failed
+            if can_wipe:  # otherwise the worker wipes them once it is done with this turn's step
+                turn.cache.wipe()
+        except Exception as e:  # noqa: BLE001 - closing must go on
+            log.error("wiping a closed turn's pages failed: %s", type(e).__name__)
+        try:
+            if turn.lock is not None:
+                turn.lock.release()
+        except Exception as e:  # noqa: BLE001 - the store is down: its lease on the session runs out by itself
+            log.warning("could not release the store's lock on session=%s (%s); it is released again when the "
+                        "store answers, or expires", short_id(turn.session_id), type(e).__name__)
+            with self._unreleased_lock:
+                self._unreleased[turn.session_id] = turn.lock
+        with self._active_lock:
+            if self._active.get(turn.session_id) is turn:
+                del self._active[turn.session_id]
+                self._active_lock.notify_all()
+
+    def _retry_release(self, session_id: bytes) -> None:
+        """Release a lock on the session left over from a turn that closed while the store was down (store
+        I/O; raises while the store is still down). The lock is fenced: it is removed only if still ours."""
+        with self._unreleased_lock:
+            lock = self._unreleased.pop(session_id, None)
+        if lock is None:
+            return
+        try:
+            lock.release()
+        except BaseException:
+            with self._unreleased_lock:
+                self._unreleased.setdefault(session_id, lock)
+            raise
+
+    def release_leftover_locks(self) -> int:
+        """Retry every lock release that failed (maintenance, now and then); how many are still left."""
+        with self._unreleased_lock:
+            session_ids = list(self._unreleased)
+        for session_id in session_ids:
             try:
-                if turn.lock is not None:
-                    turn.lock.release()
-            finally:
-                with self._active_lock:
-                    if self._active.get(turn.session_id) is turn:
-                        del self._active[turn.session_id]
-                        self._active_lock.notify_all()
+                self._retry_release(session_id)
+            except Exception as e:  # noqa: BLE001 - still down: try again later
+                log.debug("leftover lock release failed again: %s", type(e).__name__)
+        return len(self._unreleased)
 
     def delete_session(self, session_id: bytes, session_key: bytes) -> None:
         if len(session_id) != SESSION_ID_BYTES or len(session_key) != SESSION_KEY_BYTES:
@@ -253,11 +316,17 @@ class Engine:
         with self._active_lock:
             if session_id in self._active:
                 raise Aborted("this session is in a turn; delete it when the turn has ended")
+        self._retry_release(session_id)
         lock = self.persistence.lock(session_id)
         try:
             self.persistence.delete(session_id, SessionKeys.derive(session_id, session_key))
         finally:
-            lock.release()
+            try:
+                lock.release()
+            except Exception as e:  # noqa: BLE001 - as in close_turn
+                log.warning("could not release the store's lock after a delete (%s)", type(e).__name__)
+                with self._unreleased_lock:
+                    self._unreleased[session_id] = lock
         log.info("session deleted session=%s", short_id(session_id))
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -325,8 +394,8 @@ class Engine:
                 return False
             if step.future.set_running_or_notify_cancel():
                 self.scheduler.add(step)
-            else:  # cancelled before it started: nothing happened to the turn
-                step.turn.end_step()
+            elif step.turn.end_step():  # cancelled before it started: nothing happened to the turn...
+                self._wipe(step.turn)     # ...which has closed meanwhile
 
     def _run_batch(self, batch: list[StepRequest]) -> None:
         try:
@@ -346,15 +415,31 @@ class Engine:
         self._stats.largest_batch = max(self._stats.largest_batch, len(batch))
         self.metrics.batch_ran(len(batch), num_tokens)
         for step, hidden in zip(batch, outputs):
+            if hidden is None:
+                self._fail(step, InvalidArgument(OVERFLOWED.format(dtype=str(self.dtype).removeprefix("torch."))))
+                continue
             answer = StepOutput(hidden, step.turn.cache.length, step.num_evicted)
-            step.turn.end_step()
-            step.future.set_result(answer)
+            if step.turn.end_step():
+                self._wipe(step.turn)
+            try:
+                step.future.set_result(answer)
+            except InvalidStateError:  # cancelled meanwhile
+                pass
 
-    @staticmethod
-    def _fail(step: StepRequest, error: StatusError) -> None:
-        """A step that did not run: its turn no longer agrees with the client, so the turn fails too."""
-        step.turn.fail(error.message)
+    def _fail(self, step: StepRequest, error: StatusError) -> None:
+        """A step that did not run or whose result is unusable: its turn no longer agrees with the client,
+        so the turn fails too."""
+        if step.turn.end_step(error.message):
+            self._wipe(step.turn)
         try:
             step.future.set_exception(error)
         except InvalidStateError:  # cancelled meanwhile
             pass
+
+    @staticmethod
+    def _wipe(turn: Turn) -> None:
+        """Wipe the pages of a turn that closed while its step was running here."""
+        try:
+            turn.cache.wipe()
+        except Exception as e:  # noqa: BLE001 - the worker serves on
+            log.error("wiping a closed turn's pages failed: %s", type(e).__name__)

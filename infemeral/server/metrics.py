@@ -13,7 +13,7 @@ class NullMetrics:
     """Where metrics go when nobody collects them."""
 
     def turn_ended(self, outcome: str) -> None:
-        """A turn ended: committed, abandoned, or the lower-case name of its error status."""
+        """A turn ended: committed, abandoned, cancelled, or the lower-case name of its error status."""
 
     def batch_ran(self, num_steps: int, num_tokens: int) -> None:
         """One forward pass ran `num_steps` steps of `num_tokens` positions in all."""
@@ -42,6 +42,8 @@ class Metrics(NullMetrics):
                                     registry=r)
         self.store_errors = Counter("infemeral_store_errors", "session store failures", registry=r)
         self.active_turns = Gauge("infemeral_active_turns", "turns open now", registry=r)
+        self.turn_streams = Gauge("infemeral_turn_streams", "Turn streams open now, turns not yet opened included",
+                                  registry=r)
         self.pool_used = Gauge("infemeral_kv_pool_used_pages", "KV pool pages in use", registry=r)
         self.pool_total = Gauge("infemeral_kv_pool_pages", "KV pool size in pages", registry=r)
         self.batch_steps = Histogram("infemeral_batch_steps", "steps sharing one forward pass",

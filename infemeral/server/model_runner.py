@@ -4,6 +4,12 @@ Given the caches of several sessions and each one's new hidden states, it
 builds the paged batch (CSR block tables, write slots, positions), runs every
 served layer once over all new positions together, and returns each step's
 last outputs. Which steps run, and with what pages, the scheduler decided.
+
+Huge but finite inputs (float16's 65504 everywhere, 3e38 sent to a bfloat16
+server) can overflow inside the layers. Such a step's outputs, and the keys
+and values it wrote, are unusable, so the runner reports it instead of
+returning them; every other step in the batch is independent of it (each
+session attends only to its own pages) and is answered as usual.
 """
 
 from __future__ import annotations
@@ -50,12 +56,28 @@ class ModelRunner:
                                       model.num_key_value_heads, head_dim(model), window.page_size, self.dtype)
 
     def run(self, caches: list[PagedSequence], hidden: list[torch.Tensor],
-            num_outputs: list[int]) -> list[torch.Tensor]:
-        """Append each step's positions to its cache; return its last `num_outputs` residuals, on the CPU."""
+            num_outputs: list[int]) -> list[torch.Tensor | None]:
+        """Append each step's positions to its cache; return its last `num_outputs` residuals, on the CPU,
+        or None for a step whose activations overflowed to inf/NaN anywhere (outputs or keys/values)."""
         batch = PagedBatch(self.pool, caches, [h.shape[0] for h in hidden], self.backend)
         out = self.layers.forward_batch(torch.cat([h.to(self.dtype) for h in hidden]), batch)  # [sum n_i, d]
         ends = batch.qo_indptr.tolist()[1:]
+        is_finite = self._finite_steps(batch, out, [0] + ends)
         rows = [row for end, k in zip(ends, num_outputs) for row in range(end - k, end)]
         # One copy to the host for the whole batch: on a GPU each copy waits for the device.
         answers = out.index_select(0, torch.tensor(rows, device=out.device)).to("cpu")
-        return [a.clone() for a in answers.split(num_outputs)]  # each session's rows in a tensor of its own
+        # each session's rows in a tensor of its own
+        return [a.clone() if ok else None for a, ok in zip(answers.split(num_outputs), is_finite)]
+
+    def _finite_steps(self, batch: PagedBatch, out: torch.Tensor, bounds: list[int]) -> list[bool]:
+        """Per step: every output row of every new position is finite, and so is every key and value the step
+        wrote. The keys and values are screened through one sum per layer; only a batch that fails the
+        screen is read back step by step."""
+        rows = torch.isfinite(out).all(dim=-1).cpu()  # [sum n_i]
+        is_finite = [bool(rows[start:end].all()) for start, end in zip(bounds, bounds[1:])]
+        if batch.kv_sums and not bool(torch.isfinite(torch.stack(batch.kv_sums)).all()):
+            for i, (seq, n) in enumerate(zip(batch.sequences, batch.new_tokens)):
+                is_finite[i] = is_finite[i] and all(
+                    bool(torch.isfinite(t).all())
+                    for slot in range(seq.num_layers) for t in seq.layer_tensors(slot, seq.length - n))
+        return is_finite

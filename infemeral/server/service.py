@@ -1,84 +1,72 @@
-"""The gRPC face of the engine: one bidirectional stream per turn.
+"""The gRPC face of the engine, on grpc's asyncio server: one bidirectional stream per turn.
 
 Handlers translate messages to engine calls and StatusErrors to gRPC statuses.
 A stream that ends, is cancelled or fails before its commit message leaves the
 stored session exactly as it was: the engine only writes on commit.
+
+Nothing here waits on a thread for a client: an open stream is a coroutine,
+so silent streams cost no worker, and server info (answered on the event loop)
+and deletes (on their own threads) answer whatever the turns do. Limits answer
+at once: past `max_streams` open Turn streams, or `max_sessions` open turns, a
+new one gets RESOURCE_EXHAUSTED with a `retry-after-ms` hint, never a queue.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import grpc
 
 from infemeral import __version__
 from infemeral.cloak.bundle import dtype_name
-from infemeral.errors import InvalidArgument, StatusError
+from infemeral.errors import ResourceExhausted, StatusError
 from infemeral.protocol import PROTOCOL_VERSION, pb, pb_grpc
-from infemeral.protocol.tensors import from_proto, to_proto
 from infemeral.server.engine import Engine
-from infemeral.storage.base import store_errors
+from infemeral.server.turn_call import STORE_ERRORS, TurnCall, abort
 
 log = logging.getLogger(__name__)
-STORE_ERRORS = store_errors()
+
+
+@dataclass(frozen=True)
+class ServiceLimits:
+    max_streams: int = 256             # Turn streams open at once, opened or not
+    turn_idle_seconds: float = 30.0    # longest wait for a client's next message inside a turn
+    max_turn_seconds: float = 3600.0   # longest turn
+    delete_threads: int = 8            # threads for session deletes
 
 
 class InfemeralService(pb_grpc.InfemeralServicer):
-    def __init__(self, engine: Engine, max_message_bytes: int):
+    def __init__(self, engine: Engine, limits: ServiceLimits, max_message_bytes: int):
         self.engine = engine
+        self.limits = limits
         self.max_message_bytes = max_message_bytes
+        # One thread per turn slot (and a few for closes that follow a running job): a turn's store I/O never
+        # waits for another turn's. Deletes have their own threads.
+        self.turn_executor = ThreadPoolExecutor(engine.config.max_sessions + 4, thread_name_prefix="infemeral-turn")
+        self.delete_executor = ThreadPoolExecutor(limits.delete_threads, thread_name_prefix="infemeral-delete")
+        self._calls: set[asyncio.Task] = set()
 
-    def Turn(self, request_iterator, context):
-        turn, outcome = None, "abandoned"
+    @property
+    def num_streams(self) -> int:
+        return len(self._calls)
+
+    async def Turn(self, request_iterator, context):
+        if self.num_streams >= self.limits.max_streams:
+            self.engine.metrics.turn_ended("resource_exhausted")
+            await abort(context, ResourceExhausted(
+                f"server has its limit of {self.limits.max_streams} turn streams open; retry in a second",
+                retry_after=1.0))
+        task = asyncio.current_task()
+        self._calls.add(task)
         try:
-            first = next(request_iterator, None)
-            if first is None or first.WhichOneof("kind") != "open":
-                raise InvalidArgument("a turn must start with an `open` message")
-            o = first.open
-            turn = self.engine.open_turn(o.session_id, o.session_key, o.expected_version, o.bundle_fingerprint,
-                                         o.turn_id, o.pending_turn_id, o.reserve_tokens)
-            yield pb.TurnResponse(opened=pb.Opened(version=turn.version, cache_length=turn.cache.length,
-                                                   pending_committed=turn.version == o.expected_version + 1))
-            for req in request_iterator:
-                kind = req.WhichOneof("kind")
-                if kind == "step":
-                    started = time.perf_counter()
-                    hidden = from_proto(req.step.hidden, self.engine.hidden_size, self.engine.max_step_tokens)
-                    out = self.engine.step(turn, hidden, req.step.cache_length, req.step.outputs, req.step.evict)
-                    self.engine.metrics.step_answered(time.perf_counter() - started)
-                    yield pb.TurnResponse(step=pb.StepResult(hidden=to_proto(out.hidden.to(hidden.dtype)),
-                                                             cache_length=out.cache_length,
-                                                             evicted=out.num_evicted))
-                elif kind == "truncate":
-                    length = self.engine.truncate(turn, req.truncate.tokens, req.truncate.cache_length)
-                    yield pb.TurnResponse(truncated=pb.Truncated(cache_length=length))
-                elif kind == "commit":
-                    version = self.engine.commit(turn)
-                    outcome = "committed"
-                    length = turn.cache.length
-                    self.engine.close_turn(turn)  # release the session before the client hears "committed"
-                    yield pb.TurnResponse(committed=pb.Committed(version=version, cache_length=length))
-                    return
-                else:
-                    raise InvalidArgument(f"unexpected message {kind!r} inside a turn")
-        except StatusError as e:
-            outcome = e.code.name.lower()
-            retry_after = getattr(e, "retry_after", None)
-            if retry_after:  # a hint clients and proxies can act on
-                context.set_trailing_metadata((("retry-after-ms", str(int(retry_after * 1000))),))
-            context.abort(e.code, e.message)
-        except STORE_ERRORS as e:
-            outcome = "store_error"
-            self.engine.metrics.store_failed()
-            log.error("store error: %s", type(e).__name__)
-            context.abort(grpc.StatusCode.UNAVAILABLE, "session store is unavailable; the session is unchanged, retry")
+            await TurnCall(self, context).run()
         finally:
-            if turn is not None:
-                self.engine.close_turn(turn)
-            self.engine.metrics.turn_ended(outcome)
+            self._calls.discard(task)
 
-    def GetServerInfo(self, request, context):
+    async def GetServerInfo(self, request, context):
         e = self.engine
         return pb.ServerInfo(
             bundle_fingerprint=e.bundle.fingerprint, model_type=e.bundle.config.model_type,
@@ -87,14 +75,26 @@ class InfemeralService(pb_grpc.InfemeralServicer):
             max_step_tokens=e.max_step_tokens, max_context=e.window.max_context, window=e.window.enabled,
             sink_tokens=e.window.sink_tokens, page_size=e.window.page_size,
             max_message_bytes=self.max_message_bytes, server_version=__version__,
-            protocol_version=PROTOCOL_VERSION)
+            protocol_version=PROTOCOL_VERSION, turn_idle_seconds=self.limits.turn_idle_seconds,
+            max_turn_seconds=self.limits.max_turn_seconds)
 
-    def DeleteSession(self, request, context):
+    async def DeleteSession(self, request, context):
+        job = self.delete_executor.submit(self.engine.delete_session, request.session_id, request.session_key)
         try:
-            self.engine.delete_session(request.session_id, request.session_key)
+            await asyncio.wrap_future(job)
         except StatusError as e:
-            context.abort(e.code, e.message)
+            await abort(context, e)
         except STORE_ERRORS as e:
             log.error("store error: %s", type(e).__name__)
-            context.abort(grpc.StatusCode.UNAVAILABLE, "session store is unavailable; retry")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "session store is unavailable; retry")
         return pb.DeleteSessionResponse()
+
+    async def finish(self, timeout: float = 10.0) -> None:
+        """Wait for the calls the server cancelled while stopping to close their turns."""
+        if self._calls:
+            await asyncio.wait(set(self._calls), timeout=timeout)
+
+    def close(self) -> None:
+        """After `finish`: let the threads finish what they run (closes included), then end them."""
+        self.turn_executor.shutdown(wait=True, cancel_futures=False)
+        self.delete_executor.shutdown(wait=True, cancel_futures=True)

@@ -8,8 +8,10 @@ the page pool, and moves through these states:
                       └──────failed──────▶ FAILED ───────────────────────▶ CLOSED
 
 A turn that failed half-way (its cache and the client's no longer agree) only
-accepts being closed. Closing waits for a step that is being computed, wipes
-the pages and releases the session.
+accepts being closed. Closing never waits: a turn closed while one of its steps
+is with the engine's worker (the client vanished, a deadline passed) is CLOSED
+at once — its session and slot are released — and the worker, which may be
+writing into the turn's pages, wipes them when it is done with the step.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ class TurnStatus(enum.Enum):
     STEPPING = "stepping"    # one step is with the scheduler
     COMMITTED = "committed"  # the commit landed; only closing is left
     FAILED = "failed"        # a step or the commit failed; only closing is left
-    CLOSED = "closed"        # plaintext wiped, session released
+    CLOSED = "closed"        # session released; pages wiped (by the worker if a step was running)
 
 
 @dataclass(eq=False)
@@ -47,8 +49,9 @@ class Turn:
     status: TurnStatus = TurnStatus.OPEN
     failure: str = ""                 # why the turn failed, for the next message's refusal
     is_close_requested: bool = False  # closing: a step not yet started must not start
+    is_step_orphaned: bool = False    # closed while a step was with the worker: the worker wipes the pages
     refreshed_at: float = field(default_factory=time.monotonic)
-    _changed: threading.Condition = field(default_factory=threading.Condition, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     # -- checks on what the client sends ------------------------------------------------------------
     def require_open(self) -> None:
@@ -80,9 +83,13 @@ class Turn:
         if num_tokens > self.cache.length:
             raise InvalidArgument(f"cannot drop {num_tokens} tokens from a cache of {self.cache.length}")
 
+    @property
+    def is_lock_refresh_due(self) -> bool:
+        return self.lock is not None and time.monotonic() - self.refreshed_at > LOCK_REFRESH_SECONDS
+
     def refresh_lock(self) -> None:
-        """Keep the cross-replica lease alive during long turns."""
-        if self.lock is not None and time.monotonic() - self.refreshed_at > LOCK_REFRESH_SECONDS:
+        """Keep the cross-replica lease alive during long turns (store I/O, when due)."""
+        if self.is_lock_refresh_due:
             self.lock.refresh()
             self.refreshed_at = time.monotonic()
 
@@ -92,33 +99,39 @@ class Turn:
         return self.status is TurnStatus.CLOSED
 
     def begin_step(self) -> None:
-        with self._changed:
+        with self._lock:
             self.require_open()
             self.status = TurnStatus.STEPPING
 
-    def end_step(self) -> None:
-        """The step was answered (or never started): the turn takes the next message."""
-        with self._changed:
-            if self.status is TurnStatus.STEPPING:
+    def end_step(self, failure: str | None = None) -> bool:
+        """The step was answered, failed (`failure`) or never started. True if the turn was closed
+        meanwhile: the caller, done with the turn's pages, must wipe them."""
+        with self._lock:
+            if self.status is TurnStatus.CLOSED:
+                orphaned, self.is_step_orphaned = self.is_step_orphaned, False
+                return orphaned
+            if failure is not None:
+                self.status, self.failure = TurnStatus.FAILED, failure
+            elif self.status is TurnStatus.STEPPING:
                 self.status = TurnStatus.OPEN
-            self._changed.notify_all()
+            return False
 
     def fail(self, reason: str) -> None:
-        with self._changed:
+        with self._lock:
             if self.status is not TurnStatus.CLOSED:
                 self.status, self.failure = TurnStatus.FAILED, reason
-            self._changed.notify_all()
 
     def mark_committed(self, manifest: Manifest) -> None:
-        with self._changed:
+        with self._lock:
             self.manifest, self.version, self.status = manifest, manifest.version, TurnStatus.COMMITTED
 
-    def close(self, timeout: float = 60.0) -> bool:
-        """Mark the turn closed once no step is being computed for it; False if it already was."""
-        with self._changed:
+    def close(self) -> tuple[bool, bool]:
+        """Mark the turn closed, without waiting: (whether it was open, whether the caller may wipe the
+        pages now). A step with the worker keeps the pages until it ends (see `end_step`)."""
+        with self._lock:
             if self.status is TurnStatus.CLOSED:
-                return False
+                return False, False
             self.is_close_requested = True
-            self._changed.wait_for(lambda: self.status is not TurnStatus.STEPPING, timeout=timeout)
+            self.is_step_orphaned = self.status is TurnStatus.STEPPING
             self.status = TurnStatus.CLOSED
-            return True
+            return True, not self.is_step_orphaned

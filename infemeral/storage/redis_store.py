@@ -14,6 +14,8 @@ import redis
 
 from infemeral.storage.base import SessionBusy, SessionLock, Store
 
+SOCKET_TIMEOUT_SECONDS = 10.0
+
 _COMMIT = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
 redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
@@ -56,7 +58,9 @@ class _RedisLock(SessionLock):
 class RedisStore(Store):
     def __init__(self, url: str, ttl_seconds: float = 7 * 24 * 3600, prefix: str = "infemeral"):
         super().__init__(ttl_seconds)
-        self.r = redis.Redis.from_url(url)
+        # A Redis that hangs must not hang turns: every command gives up after a while (the URL may say otherwise).
+        self.r = redis.Redis.from_url(url, socket_timeout=SOCKET_TIMEOUT_SECONDS,
+                                      socket_connect_timeout=SOCKET_TIMEOUT_SECONDS)
         self.r.ping()
         self.prefix = prefix
         self._commit = self.r.register_script(_COMMIT)

@@ -58,17 +58,23 @@ class Commit(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class KeepAlive(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class TurnRequest(_message.Message):
-    __slots__ = ("open", "step", "truncate", "commit")
+    __slots__ = ("open", "step", "truncate", "commit", "keepalive")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
+    KEEPALIVE_FIELD_NUMBER: _ClassVar[int]
     open: OpenTurn
     step: Step
     truncate: Truncate
     commit: Commit
-    def __init__(self, open: _Optional[_Union[OpenTurn, _Mapping]] = ..., step: _Optional[_Union[Step, _Mapping]] = ..., truncate: _Optional[_Union[Truncate, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ...) -> None: ...
+    keepalive: KeepAlive
+    def __init__(self, open: _Optional[_Union[OpenTurn, _Mapping]] = ..., step: _Optional[_Union[Step, _Mapping]] = ..., truncate: _Optional[_Union[Truncate, _Mapping]] = ..., commit: _Optional[_Union[Commit, _Mapping]] = ..., keepalive: _Optional[_Union[KeepAlive, _Mapping]] = ...) -> None: ...
 
 class Opened(_message.Message):
     __slots__ = ("version", "cache_length", "pending_committed")
@@ -121,7 +127,7 @@ class ServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("bundle_fingerprint", "model_type", "hidden_size", "first_layer", "num_layers", "total_layers", "dtype", "device", "max_step_tokens", "max_context", "max_message_bytes", "server_version", "protocol_version", "window", "sink_tokens", "page_size")
+    __slots__ = ("bundle_fingerprint", "model_type", "hidden_size", "first_layer", "num_layers", "total_layers", "dtype", "device", "max_step_tokens", "max_context", "max_message_bytes", "server_version", "protocol_version", "window", "sink_tokens", "page_size", "turn_idle_seconds", "max_turn_seconds")
     BUNDLE_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +144,8 @@ class ServerInfo(_message.Message):
     WINDOW_FIELD_NUMBER: _ClassVar[int]
     SINK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TURN_IDLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TURN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     bundle_fingerprint: str
     model_type: str
     hidden_size: int
@@ -154,7 +162,9 @@ class ServerInfo(_message.Message):
     window: bool
     sink_tokens: int
     page_size: int
-    def __init__(self, bundle_fingerprint: _Optional[str] = ..., model_type: _Optional[str] = ..., hidden_size: _Optional[int] = ..., first_layer: _Optional[int] = ..., num_layers: _Optional[int] = ..., total_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_step_tokens: _Optional[int] = ..., max_context: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., server_version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., window: _Optional[bool] = ..., sink_tokens: _Optional[int] = ..., page_size: _Optional[int] = ...) -> None: ...
+    turn_idle_seconds: float
+    max_turn_seconds: float
+    def __init__(self, bundle_fingerprint: _Optional[str] = ..., model_type: _Optional[str] = ..., hidden_size: _Optional[int] = ..., first_layer: _Optional[int] = ..., num_layers: _Optional[int] = ..., total_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_step_tokens: _Optional[int] = ..., max_context: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., server_version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., window: _Optional[bool] = ..., sink_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., turn_idle_seconds: _Optional[float] = ..., max_turn_seconds: _Optional[float] = ...) -> None: ...
 
 class DeleteSessionRequest(_message.Message):
     __slots__ = ("session_id", "session_key")

@@ -1,0 +1,203 @@
+"""One Turn RPC on the asyncio server: the client's messages become engine calls, under two deadlines.
+
+A stream waiting for its client costs no thread: the call awaits the next
+message on the event loop, for at most `turn_idle_seconds` (time the server
+spends on a step does not count), and the whole turn lasts at most
+`max_turn_seconds`. Past either bound the turn is aborted with
+DEADLINE_EXCEEDED and nothing is committed. Steps are awaited as futures of the
+engine's batching worker; store I/O and encryption (open, commit, close) run
+on the service's turn threads, one job at a time per turn.
+
+However the call ends — commit, error, deadline, the client cancelling or
+vanishing — the turn is closed (session lock, turn slot and pages released)
+before the client hears the outcome, and a job still running for the turn
+(a load, a commit) finishes before the close touches the turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import grpc
+
+from infemeral.errors import DeadlineExceeded, InvalidArgument, StatusError
+from infemeral.protocol import pb
+from infemeral.protocol.tensors import from_proto, to_proto
+from infemeral.server.engine import BUSY_GRACE_SECONDS, SessionInTurn
+from infemeral.server.turn import Turn
+from infemeral.storage.base import store_errors
+
+if TYPE_CHECKING:
+    from infemeral.server.service import InfemeralService
+
+log = logging.getLogger(__name__)
+STORE_ERRORS = store_errors()
+BUSY_POLL_SECONDS = 0.05
+RETRY_AFTER_KEY = "retry-after-ms"
+
+
+class TurnCall:
+    def __init__(self, service: "InfemeralService", context: grpc.aio.ServicerContext):
+        self.engine = service.engine
+        self.limits = service.limits
+        self.executor = service.turn_executor
+        self.context = context
+        self.loop = asyncio.get_running_loop()
+        self.deadline = self.loop.time() + self.limits.max_turn_seconds
+        self.turn: Turn | None = None
+        self.job: concurrent.futures.Future | None = None  # the turn's blocking job, at most one at a time
+        self.outcome = "abandoned"
+
+    async def run(self) -> None:
+        """Serve the turn; close it; then tell the client how it ended."""
+        error: StatusError | None = None
+        try:
+            await self._converse()
+        except StatusError as e:
+            error, self.outcome = e, e.code.name.lower()
+        except STORE_ERRORS as e:
+            self.outcome = "store_error"
+            self.engine.metrics.store_failed()
+            log.error("store error: %s", type(e).__name__)
+            error = StatusError("session store is unavailable; the session is unchanged, retry",
+                                grpc.StatusCode.UNAVAILABLE)
+        except asyncio.CancelledError:
+            self.outcome = "cancelled"  # the client went away (or the server is stopping)
+            raise
+        finally:
+            if self.turn is not None:
+                await self._close()
+            self.engine.metrics.turn_ended(self.outcome)
+        if error is not None:
+            await abort(self.context, error)
+
+    # -- the conversation ---------------------------------------------------------------------------
+    async def _converse(self) -> None:
+        first = await self._receive()
+        if first is None or first.WhichOneof("kind") != "open":
+            raise InvalidArgument("a turn must start with an `open` message")
+        o = first.open
+        await self._open(o)
+        turn = self.turn
+        await self._send(pb.TurnResponse(opened=pb.Opened(
+            version=turn.version, cache_length=turn.cache.length,
+            pending_committed=turn.version == o.expected_version + 1)))
+        while True:
+            request = await self._receive()
+            if request is None:  # the client ended the stream without a commit: nothing changes
+                return
+            kind = request.WhichOneof("kind")
+            if kind == "keepalive":
+                await self._refresh_lock()
+            elif kind == "step":
+                await self._send(await self._step(request.step))
+            elif kind == "truncate":
+                length = self.engine.truncate(turn, request.truncate.tokens, request.truncate.cache_length)
+                await self._send(pb.TurnResponse(truncated=pb.Truncated(cache_length=length)))
+            elif kind == "commit":
+                version, length = await self._blocking(self._commit_and_close, bounded=False)
+                self.outcome = "committed"
+                await self._send(pb.TurnResponse(committed=pb.Committed(version=version, cache_length=length)))
+                return
+            else:
+                raise InvalidArgument(f"unexpected message {kind!r} inside a turn")
+
+    async def _open(self, o: pb.OpenTurn) -> None:
+        # A client that lost its stream may reconnect before this server has closed the old turn: give the
+        # old turn a moment to close before refusing (polling, so no thread waits).
+        give_up = self.loop.time() + BUSY_GRACE_SECONDS
+        while True:
+            try:
+                self.turn = self.engine.claim_turn(o.session_id, o.session_key, o.bundle_fingerprint, o.turn_id,
+                                                   o.pending_turn_id)
+                break
+            except SessionInTurn:
+                if self.loop.time() >= give_up:
+                    raise
+                await asyncio.sleep(BUSY_POLL_SECONDS)
+        await self._blocking(self.engine.load_turn, self.turn, o.expected_version, o.pending_turn_id,
+                             o.reserve_tokens)
+
+    async def _step(self, step: pb.Step) -> pb.TurnResponse:
+        started = time.perf_counter()
+        hidden = from_proto(step.hidden, self.engine.hidden_size, self.engine.max_step_tokens)
+        await self._refresh_lock()
+        future = self.engine.submit_step(self.turn, hidden, step.cache_length, step.outputs, step.evict)
+        out = await self._bounded(asyncio.wrap_future(future))
+        self.engine.metrics.step_answered(time.perf_counter() - started)
+        return pb.TurnResponse(step=pb.StepResult(hidden=to_proto(out.hidden.to(hidden.dtype)),
+                                                  cache_length=out.cache_length, evicted=out.num_evicted))
+
+    async def _refresh_lock(self) -> None:
+        """Keep the session's store lease alive during a long turn (store I/O, so on a turn thread)."""
+        if self.turn.is_lock_refresh_due:
+            await self._blocking(self.turn.refresh_lock)
+
+    def _commit_and_close(self) -> tuple[int, int]:
+        """Commit, then release the session before the client hears "committed" (so its next turn opens)."""
+        version = self.engine.commit(self.turn)
+        length = self.turn.cache.length
+        self.engine.close_turn(self.turn)
+        return version, length
+
+    # -- deadlines ----------------------------------------------------------------------------------
+    async def _receive(self) -> pb.TurnRequest | None:
+        """The client's next message (None once it ended the stream), within both deadlines."""
+        request = await self._bounded(self.context.read(), idle=True)
+        return None if request is grpc.aio.EOF else request
+
+    async def _send(self, response: pb.TurnResponse) -> None:
+        await self._bounded(self.context.write(response), idle=True)  # a client that stops reading is idle too
+
+    async def _bounded(self, awaitable, idle: bool = False):
+        """Await within what is left of the turn (and, waiting on the client, within the idle bound)."""
+        left = self.deadline - self.loop.time()
+        timeout = max(0.0, min(left, self.limits.turn_idle_seconds) if idle else left)
+        scope = asyncio.timeout(timeout)
+        try:
+            async with scope:
+                return await awaitable
+        except TimeoutError:
+            if not scope.expired():  # a timeout of the work itself (a store socket), not a deadline
+                raise
+            if idle and timeout < left:
+                raise DeadlineExceeded(
+                    f"the client sent nothing for {self.limits.turn_idle_seconds:g} s; the turn was aborted and "
+                    "nothing was committed — reopen the session and retry (clients that compute longer between "
+                    "messages send KeepAlive)") from None
+            raise DeadlineExceeded(
+                f"the turn was open longer than this server's limit of {self.limits.max_turn_seconds:g} s; it was "
+                "aborted and nothing was committed — reopen the session and continue in a new turn") from None
+
+    # -- blocking work and closing -------------------------------------------------------------------
+    async def _blocking(self, fn, *args, bounded: bool = True):
+        """Run store I/O or encryption for this turn on a turn thread. A turn waits for no one else's
+        thread: the pool has one per turn slot."""
+        self.job = self.executor.submit(fn, *args)
+        if bounded:
+            return await self._bounded(asyncio.wrap_future(self.job))
+        return await asyncio.shield(asyncio.wrap_future(self.job))  # a commit that started finishes
+
+    async def _close(self) -> None:
+        """Close the turn once its running job (if any) is done; if this call is cancelled meanwhile, the
+        close still happens."""
+        job, turn, engine = self.job, self.turn, self.engine
+
+        def close() -> None:
+            if job is not None:
+                concurrent.futures.wait([job])  # a job of this call that never started was cancelled with it
+            engine.close_turn(turn)
+
+        await asyncio.shield(asyncio.wrap_future(self.executor.submit(close)))
+
+
+async def abort(context: grpc.aio.ServicerContext, error: StatusError) -> None:
+    """End the call with the error's status, and a retry hint where it has one."""
+    retry_after = getattr(error, "retry_after", None)
+    if retry_after:
+        context.set_trailing_metadata(((RETRY_AFTER_KEY, str(int(retry_after * 1000))),))
+    await context.abort(error.code, error.message)
