@@ -41,6 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 MAX_CLIENTS, MAX_MINUTES = 64, 120
 IDLE_SECONDS = 10.0  # the server's --turn-idle-seconds here (default 30): idle faults take seconds, not minutes
+STORE_RECOVERY_SECONDS = 5.0  # after a Redis restart: loading its append-only file, reconnecting
 MAX_HISTORY = 1500  # start a new session before the window would slide (verification compares exactly)
 PROMPTS = ["Name a fruit.", "What is 2 + 2?", "Say hello in French.", "Name a planet.", "Tell me a short fact.",
            "What colour is the sky?", "Give me a word that rhymes with cat.", "Name an ocean.",
@@ -84,23 +85,24 @@ class Worker:
             action = self.rng.choices(list(ACTIONS), list(ACTIONS.values()))[0]
             if action != "turn" and self.session.pending_commit is not None:
                 action = "turn"  # settle an unconfirmed commit first
-            started = time.monotonic()
-            status = self.attempt(action)
-            self.emit(kind="action", action=action, status=status, seconds=round(time.monotonic() - started, 3))
+            started = time.time()
+            status, detail = self.attempt(action)
+            self.emit(kind="action", action=action, status=status, detail=detail, started=started, ended=time.time())
             self.session.save(self.path)
             time.sleep(self.rng.uniform(0.2, 1.5))  # think time
         self.emit(kind="done", version=self.session.version)
 
-    def attempt(self, action: str) -> str:
+    def attempt(self, action: str) -> tuple[str, str]:
+        """(status, a short description for the report: no payloads here, only status messages)."""
         from infemeral.errors import StatusError
 
         try:
             getattr(self, action)()
-            return "OK"
+            return "OK", ""
         except StatusError as e:
-            return e.code.name if e.code is not None else "STATUS_ERROR"
+            return (e.code.name if e.code is not None else "STATUS_ERROR"), e.message[:160]
         except Exception as e:  # noqa: BLE001 - counted in the report
-            return type(e).__name__
+            return type(e).__name__, str(e)[:160]
 
     # -- actions ------------------------------------------------------------------------------------
     def turn(self) -> None:
@@ -143,6 +145,8 @@ class Worker:
         time.sleep(self.args.idle_seconds + 1.0)
 
     def reconnect(self) -> None:
+        """Drop the connection and come back as a new client from the saved session."""
+        self.session.save(self.path)
         self.client.close()
         self.client = self.Client(self.args.address, self.args.client_bundle, timeout=120)
         self.session = self.client.load_session(self.path)
@@ -218,6 +222,9 @@ class RawTurn:
 @dataclass
 class Tally:
     outcomes: Counter = field(default_factory=Counter)  # (action, status) -> count
+    details: dict = field(default_factory=dict)  # (action, status) -> one example message
+    store_down: list = field(default_factory=list)  # [killed at, answering again at] (wall clock)
+    rss_mb: list = field(default_factory=list)  # (seconds since start, server RSS)
     kills: int = 0
     redis_restarts: int = 0
     health_ms: list[float] = field(default_factory=list)
@@ -238,6 +245,7 @@ class Orchestrator:
         self.stopping = threading.Event()
         self.rng = random.Random(args.seed)
         self.redis: subprocess.Popen | None = None
+        self.redis_down_since: float | None = None
 
     # -- processes ----------------------------------------------------------------------------------
     def start_redis(self) -> None:
@@ -291,8 +299,12 @@ class Orchestrator:
             except json.JSONDecodeError:
                 continue
             if event["kind"] == "action":
+                status = event["status"]
+                if status == "UNAVAILABLE" and self.overlaps_store_down(event["started"], event["ended"]):
+                    status = "UNAVAILABLE (store down)"
                 with self.lock:
-                    self.tally.outcomes[(event["action"], event["status"])] += 1
+                    self.tally.outcomes[(event["action"], status)] += 1
+                    self.tally.details.setdefault((event["action"], status), event.get("detail", ""))
             elif event["kind"] == "killme":
                 proc.send_signal(signal.SIGKILL)
                 proc.wait()
@@ -308,6 +320,13 @@ class Orchestrator:
                 log = sorted(self.work.glob(f"client-{worker:02d}-*.log"))[-1].read_text()
                 self.tally.worker_crashes.append(f"client {worker}: exit {code}: {log[-400:]}")
 
+    def overlaps_store_down(self, started: float, ended: float) -> bool:
+        """Whether an action ran while Redis was down (or reloading its data: a few seconds after)."""
+        windows = list(self.tally.store_down)
+        if self.redis_down_since is not None:
+            windows.append((self.redis_down_since, time.time()))
+        return any(started <= up + STORE_RECOVERY_SECONDS and ended >= down for down, up in windows)
+
     # -- background: health prober, Redis restarts -----------------------------------------------------
     def probe_health(self) -> None:
         import grpc
@@ -315,7 +334,11 @@ class Orchestrator:
 
         with grpc.insecure_channel(f"127.0.0.1:{self.port}") as channel:
             stub = health_pb2_grpc.HealthStub(channel)
+            last_sample = 0.0
             while not self.stopping.wait(0.25):
+                if time.time() - last_sample >= 30:
+                    last_sample = time.time()
+                    self.tally.rss_mb.append((last_sample - self.started_at, self.rss_mb()))
                 started = time.perf_counter()
                 try:
                     stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
@@ -327,10 +350,13 @@ class Orchestrator:
         while not self.stopping.wait(self.rng.uniform(60, 150)):
             if time.time() > self.end_at - 30:
                 return
+            self.redis_down_since = time.time()
             self.redis.send_signal(signal.SIGKILL)
             self.redis.wait()
             time.sleep(self.rng.uniform(0.5, 3.0))
             self.start_redis()
+            self.tally.store_down.append((self.redis_down_since, time.time()))
+            self.redis_down_since = None
             self.tally.redis_restarts += 1
 
     # -- measurements ----------------------------------------------------------------------------------
@@ -439,7 +465,8 @@ class Orchestrator:
         tally, args = self.tally, self.args
         done = sum(n for (action, status), n in tally.outcomes.items() if status == "OK")
         committed_turns = self.at_end.get('infemeral_turns_total{outcome="committed"}', 0)
-        unexpected = {k: n for k, n in tally.outcomes.items() if k[1] not in EXPECTED[k[0]]}
+        unexpected = {k: n for k, n in tally.outcomes.items()
+                      if k[1] not in EXPECTED[k[0]] and k[1] != "UNAVAILABLE (store down)"}
         health = sorted(tally.health_ms)
         pct = (lambda q: health[min(len(health) - 1, int(q * len(health)))]) if health else (lambda q: float("nan"))
         total = self.at_end.get("infemeral_kv_pool_pages", 0)
@@ -464,8 +491,9 @@ class Orchestrator:
             *[f"| {a} | {s} | {n} |" for (a, s), n in sorted(tally.outcomes.items())],
             "",
             "Server turn outcomes: " + ", ".join(f"{name} {n:.0f}" for name, n in server_outcomes),
-            f"Outcomes other than the action's intended one: {sum(unexpected.values())} "
-            f"({', '.join(f'{a}/{s}: {n}' for (a, s), n in sorted(unexpected.items())) or 'none'})",
+            f"Outcomes other than the action's intended one: {sum(unexpected.values())}",
+            *[f"    {a}/{s}: {n}, e.g. {tally.details.get((a, s), '')!r}" for (a, s), n in sorted(unexpected.items())],
+            "Server RSS over the run (s: MiB): " + ", ".join(f"{t:.0f}: {mb:.0f}" for t, mb in tally.rss_mb),
             f"Client processes that crashed: {len(tally.worker_crashes)}",
             *[f"    {c}" for c in tally.worker_crashes],
         ]
