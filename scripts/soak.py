@@ -225,6 +225,8 @@ class Tally:
     details: dict = field(default_factory=dict)  # (action, status) -> one example message
     store_down: list = field(default_factory=list)  # [killed at, answering again at] (wall clock)
     rss_mb: list = field(default_factory=list)  # (seconds since start, server RSS)
+    peak_used_pages: float = 0.0  # most KV pool pages in use at any sample
+    turn_seconds: list = field(default_factory=list)  # SDK turns that committed, start to finish
     kills: int = 0
     redis_restarts: int = 0
     health_ms: list[float] = field(default_factory=list)
@@ -266,6 +268,12 @@ class Orchestrator:
 
     def start_server(self) -> None:
         from infemeral.client.health import wait_until_serving
+        from infemeral.cloak.bundle import ServerBundle
+        from infemeral.model.layers import head_dim
+
+        bundle = ServerBundle.open(self.args.bundles / "server", verify=False)
+        page_bytes = 16 * bundle.num_layers * 2 * bundle.config.num_key_value_heads * head_dim(bundle.config) * 4
+        self.page_mib = page_bytes / 2**20  # default page size, float32
 
         self.port, self.metrics_port = free_port(), free_port()
         store = f"redis://127.0.0.1:{self.redis_port}/0" if self.args.store == "redis" else str(self.work / "store")
@@ -300,6 +308,8 @@ class Orchestrator:
                 continue
             if event["kind"] == "action":
                 status = event["status"]
+                if event["action"] == "turn" and status == "OK":
+                    self.tally.turn_seconds.append(event["ended"] - event["started"])
                 if status == "UNAVAILABLE" and self.overlaps_store_down(event["started"], event["ended"]):
                     status = "UNAVAILABLE (store down)"
                 with self.lock:
@@ -339,6 +349,8 @@ class Orchestrator:
                 if time.time() - last_sample >= 30:
                     last_sample = time.time()
                     self.tally.rss_mb.append((last_sample - self.started_at, self.rss_mb()))
+                used = self.metrics().get("infemeral_kv_pool_used_pages", 0)
+                self.tally.peak_used_pages = max(self.tally.peak_used_pages, used)
                 started = time.perf_counter()
                 try:
                     stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
@@ -468,7 +480,7 @@ class Orchestrator:
         unexpected = {k: n for k, n in tally.outcomes.items()
                       if k[1] not in EXPECTED[k[0]] and k[1] != "UNAVAILABLE (store down)"}
         health = sorted(tally.health_ms)
-        pct = (lambda q: health[min(len(health) - 1, int(q * len(health)))]) if health else (lambda q: float("nan"))
+        turn_seconds = sorted(tally.turn_seconds)
         total = self.at_end.get("infemeral_kv_pool_pages", 0)
         server_outcomes = sorted((m.group(1), v) for k, v in self.at_end.items()
                                  if (m := re.match(r'infemeral_turns_total\{outcome="(\w+)"\}', k)))
@@ -482,9 +494,13 @@ class Orchestrator:
             f"- KV pool at the end: {total - self.at_end.get('infemeral_kv_pool_used_pages', 0):.0f} of "
             f"{total:.0f} pages free; open turns {self.at_end.get('infemeral_active_turns', -1):.0f}; after the "
             f"verification turns {total - self.after_verify.get('infemeral_kv_pool_used_pages', 0):.0f} free",
-            f"- server RSS: {self.rss_start:.0f} MiB at start, {self.rss_end:.0f} MiB at the end",
-            f"- health checks: {len(health)} answered, {tally.health_failures} failed; latency p50 {pct(0.5):.1f} ms, "
-            f"p99 {pct(0.99):.1f} ms, max {health[-1] if health else float('nan'):.1f} ms",
+            f"- server RSS: {self.rss_start:.0f} MiB at start, {self.rss_end:.0f} MiB at the end; at most "
+            f"{tally.peak_used_pages:.0f} KV pages were in use at once ({tally.peak_used_pages * self.page_mib:.0f} "
+            f"MiB of pool memory, which stays resident once touched)",
+            f"- turn latency (whole SDK turn, {len(turn_seconds)} turns): p50 {_quantile(turn_seconds, 0.5):.1f} s, "
+            f"p90 {_quantile(turn_seconds, 0.9):.1f} s",
+            f"- health checks: {len(health)} answered, {tally.health_failures} failed; latency p50 {_quantile(health, 0.5):.1f} ms, "
+            f"p99 {_quantile(health, 0.99):.1f} ms, max {health[-1] if health else float('nan'):.1f} ms",
             "",
             "| action | status | count |",
             "| --- | --- | --- |",
@@ -498,6 +514,10 @@ class Orchestrator:
             *[f"    {c}" for c in tally.worker_crashes],
         ]
         return "\n".join(lines) + "\n"
+
+
+def _quantile(values: list[float], q: float) -> float:
+    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
 def ensure_bundles(directory: Path) -> Path:
