@@ -76,7 +76,7 @@ def client_cost(client_dir: Path) -> tuple[float, int]:
             times.append(time.perf_counter() - started)
             residual = hidden
         runs.append(min(times))
-    params = sum(p.numel() for p in model.layers.parameters()) + model.lm_head.numel()
+    params = sum(p.numel() for p in model.layers.parameters()) + sum(t.numel() for t in model.head.tensors())
     return 1000 * min(runs), params
 
 

@@ -47,7 +47,7 @@ class PublicWeights:
         if server is not None:
             first = server.first_layer
             served = LayerStack(server.config, first, [unrotate_layer(server.layer_weights(first), basis)])
-        return cls(model.config, model.embed.float(), model.layers, served, None,
+        return cls(model.config, model.embed.dense(), model.layers, served, None,
                    "the client bundle's plain layers, and the server bundle un-rotated with Q")
 
     @classmethod
@@ -61,10 +61,11 @@ class PublicWeights:
                    served_weights["self_attn.o_proj.weight"].double(), source.description)
 
     def check_matches(self, model: ClientModel) -> None:
-        if self.embed.shape != model.embed.shape:
+        client_shape = tuple(model.embed.dense().shape)
+        if tuple(self.embed.shape) != client_shape:
             raise FailedPrecondition(
                 f"the public model has a {tuple(self.embed.shape)} embedding but the client bundle "
-                f"{tuple(model.embed.shape)}: pass the public model the bundles were prepared from")
+                f"{client_shape}: pass the public model the bundles were prepared from")
 
     # -- what the layers would output for candidate tokens -----------------------------------------
     def new_prefix(self, capacity: int = 256) -> KVCache:

@@ -113,7 +113,7 @@ class Audit:
     # -- one method per attack ------------------------------------------------------------------
     def norm_rows(self) -> list[Row]:
         t0 = time.perf_counter()
-        raw = (self.model.embed[self.seen.token_ids].double() @ self.basis).to(self.wire)  # no local layers
+        raw = (self.model.embed.lookup(self.seen.token_ids).double() @ self.basis).to(self.wire)  # no local layers
         raw_guess = match_norms(raw, self.weights.embed)
         t1 = time.perf_counter()
         guess = match_norms(self.seen.hidden, self.weights.embed)

@@ -103,6 +103,10 @@ class DenseTokenTable:
     def tensors(self) -> list[torch.Tensor]:
         return [self.weight]
 
+    def dense(self) -> torch.Tensor:
+        """The whole table in float32 (for analysis, e.g. the privacy audit's norm matching)."""
+        return self.weight.float()
+
 
 class ClientModel:
     """The client half of one model, computing as `compute` says; built from a client bundle or from tensors."""

@@ -129,3 +129,7 @@ class Int8TokenTable:
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.codes, self.scales, self.kernel_scales]
+
+    def dense(self) -> torch.Tensor:
+        """The whole table dequantised to float32 (for analysis, e.g. the privacy audit's norm matching)."""
+        return dequantize_rows(self.codes, self.scales, torch.float32)
