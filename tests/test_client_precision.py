@@ -122,6 +122,18 @@ def test_int8_holds_a_tied_table_once_and_a_quarter_of_the_bytes(tiny):
     assert int8.memory_bytes() < 0.4 * fp32.memory_bytes()
 
 
+def test_every_table_gives_its_whole_dense_float32_form(tiny):
+    """The audit reads the embedding whole, whatever the client's mode."""
+    bundle = ClientBundle.open(tiny["llama-tied"][0].client_dir)
+    fp32, int8 = ClientModel(bundle), ClientModel(bundle, quant="int8")
+    ids = torch.arange(fp32.embed.dense().shape[0])
+    assert torch.equal(fp32.embed.dense(), fp32.embed.lookup(ids))
+    dense = int8.embed.dense()
+    assert dense.dtype == torch.float32 and torch.equal(dense.to(int8.dtype), int8.embed.lookup(ids))
+    assert not torch.equal(dense, fp32.embed.dense())  # really the int8 table
+    assert (dense - fp32.embed.dense()).abs().max() < 0.02 * fp32.embed.dense().abs().max()
+
+
 def test_prepared_int8_bundle_is_smaller_and_equals_int8_at_load_time(tiny, tmp_path):
     b, server = tiny["llama"]
     model = build(CONFIGS["llama"]())  # the same seed: the same weights as the float32 bundle
