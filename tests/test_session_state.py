@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from conftest import start_server
+from infemeral.client.prefix import common_prefix
 from infemeral.client.sampling import SamplingParams
 from infemeral.client.sdk import Client, Session
 from infemeral.errors import Aborted
@@ -44,15 +45,6 @@ def windowed(bundles, tmp_path_factory):
     yield srv, client
     client.close()
     srv.stop(0)
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class Oracle:

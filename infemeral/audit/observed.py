@@ -16,6 +16,7 @@ import torch
 
 from infemeral.cloak.bundle import DTYPES, ServerBundle
 from infemeral.client.local_model import ClientModel
+from infemeral.client.prefix import common_prefix
 from infemeral.config import ServerSettings
 from infemeral.errors import InvalidArgument
 from infemeral.model.layers import LayerStack
@@ -47,16 +48,9 @@ def user_positions(tokenizer, messages: list[dict]) -> range:
     """Where the last message's own text sits: what differs from the same turn with that message empty."""
     full = render(tokenizer, messages)
     empty = render(tokenizer, messages[:-1] + [{**messages[-1], "content": ""}])
-    start = _common_prefix(full, empty)
-    end = len(full) - _common_prefix(full[start:][::-1], empty[start:][::-1])
+    start = common_prefix(full, empty)
+    end = len(full) - common_prefix(full[start:][::-1], empty[start:][::-1])
     return range(start, end)
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 def observe(model: ClientModel, tokenizer, messages: list[dict], wire_dtype: torch.dtype = torch.float32,

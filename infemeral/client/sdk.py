@@ -30,6 +30,7 @@ from infemeral.cloak.bundle import ClientBundle
 from infemeral.client.drafting import AnswerIndex, DraftSource, FirstOf, PromptLookup
 from infemeral.client.local_model import ClientModel
 from infemeral.client.pending import PendingCommit
+from infemeral.client.prefix import common_prefix
 from infemeral.client.result import TurnResult
 from infemeral.client.sampling import SamplingParams
 from infemeral.client.speculation import DraftLength, StepCost
@@ -260,7 +261,7 @@ class Session:
         sinks and the most recent tokens only: a rewind into what was evicted cannot be made by
         dropping a tail (it would cut into the sinks and leave the wrong tokens in their place), so the
         turn then drops the whole cache and sends the transcript again from the start."""
-        keep = _common_prefix(self.history_ids, target_ids)
+        keep = common_prefix(self.history_ids, target_ids)
         if keep == len(target_ids):  # always send at least one token to get logits
             keep -= 1
         evicted = len(self.history_ids) - self.cache.length
@@ -325,12 +326,3 @@ class Session:
         if meta.get("pending"):  # settled by the next turn
             session.pending_commit = PendingCommit.from_saved(meta["pending"], tensors, client.model.new_cache())
         return session
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n

@@ -22,6 +22,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from infemeral.client.prefix import common_prefix
 from infemeral.errors import InfemeralError
 
 log = logging.getLogger(__name__)
@@ -104,7 +105,7 @@ class SessionPool:
         history as it would drop; None means: open a new session."""
         best, best_keep = None, -1
         for session in self._idle.values():
-            keep = _common_prefix(session.history_ids, target_ids)
+            keep = common_prefix(session.history_ids, target_ids)
             if keep > best_keep:
                 best, best_keep = session, keep
         if best is None or best_keep < len(best.history_ids) - best_keep:
@@ -130,12 +131,3 @@ class SessionPool:
                 code = getattr(getattr(e, "code", None), "name", type(e).__name__)
                 log.warning("could not delete a session left the pool (%s); it expires on the server after its TTL",
                             code)
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
