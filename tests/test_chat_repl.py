@@ -53,6 +53,9 @@ def test_ctrl_c_stops_the_answer_and_keeps_the_session(server, client, bundles, 
         chat.expect_exact("you> ")
         # Ctrl-C at the prompt only clears the line.
         chat.send("typed but never sent")
+        # Wait for the echo: a Ctrl-C that lands while readline is still taking the keys is only seen at the next
+        # key (CPython's readline loop); a person's Ctrl-C comes later, while it waits.
+        chat.expect_exact("never sent")
         chat.sendintr()
         chat.expect_exact("you> ")
         chat.sendline('"""')
