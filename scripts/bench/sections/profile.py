@@ -55,20 +55,21 @@ class Probe:
         self._undo.append((owner, name, original, had_own))
 
     def __enter__(self) -> "Probe":
-        from infemeral.client import sdk
+        from infemeral.client import turn
+        from infemeral.client.sampling import Sampler
         from infemeral.kvcache.paged import PagedBatch
-        from infemeral.server import service
+        from infemeral.server import turn_call
 
         client, engine = self.split.client, self.split.engine
         rows = lambda hidden, *a, **k: int(hidden.shape[0])  # noqa: E731
         self.wrap(client.model, "cloak", "client_cloak", lambda ids, *a, **k: len(ids))
         self.wrap(client.model, "logits", "client_logits")
         self.wrap(client.tokenizer, "decode", "client_detokenise")
-        self.wrap(sdk.Sampler, "__call__", "client_sampling")
-        self.wrap(sdk, "to_proto", "client_serialise")
-        self.wrap(sdk, "from_proto", "client_serialise")
-        self.wrap(service, "to_proto", "server_serialise")
-        self.wrap(service, "from_proto", "server_serialise")
+        self.wrap(Sampler, "__call__", "client_sampling")
+        self.wrap(turn, "to_proto", "client_serialise")  # the module the turn loop calls them from
+        self.wrap(turn, "from_proto", "client_serialise")
+        self.wrap(turn_call, "to_proto", "server_serialise")
+        self.wrap(turn_call, "from_proto", "server_serialise")
         self.wrap(engine, "step", "engine_step", lambda turn, hidden, *a, **k: int(hidden.shape[0]))
         self.wrap(layer_stack(engine), "forward_batch", "forward", rows)
         self.wrap(PagedBatch, "attend", "attention")
