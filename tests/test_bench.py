@@ -66,3 +66,40 @@ def test_gpu_check_says_clearly_when_there_is_no_gpu():
     help_text = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_check.py"), "--help"], capture_output=True,
                                text=True, timeout=120)
     assert help_text.returncode == 0 and "FlashInfer" in help_text.stdout
+
+
+def test_the_profile_probe_finds_every_function_it_times_and_puts_them_back():
+    """The profile wraps functions by name in the modules a decode step passes through; a function that moved
+    must fail here, not half-way through a full benchmark run."""
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from infemeral.client import turn
+    from infemeral.client.sampling import Sampler
+    from infemeral.server import turn_call
+
+    profile = load("profile")
+
+    class Layers:
+        def forward_batch(self, hidden, batch):
+            return hidden
+
+    class Engine:
+        layers = Layers()
+
+        def submit_step(self, turn, hidden, *args):
+            future = Future()
+            future.set_result(hidden)
+            return future
+
+    model = SimpleNamespace(cloak=lambda ids, cache: ids, logits=lambda hidden: hidden)
+    split = SimpleNamespace(client=SimpleNamespace(model=model, tokenizer=SimpleNamespace(decode=lambda ids: "")),
+                            engine=Engine())
+    before = (turn.to_proto, turn_call.from_proto, Sampler.__call__)
+    with profile.Probe(split) as probe:
+        assert turn.to_proto is not before[0] and Sampler.__call__ is not before[2]
+        split.engine.submit_step(None, SimpleNamespace(shape=(1, 4)))
+        model.cloak([1, 2], None)
+    assert probe.records["engine_step"][0][1] == 1 and probe.records["client_cloak"][0][1] == 2
+    assert (turn.to_proto, turn_call.from_proto, Sampler.__call__) == before
+    assert "submit_step" not in vars(split.engine)

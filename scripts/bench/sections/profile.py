@@ -50,6 +50,22 @@ class Probe:
             finally:
                 records.append((time.perf_counter() - t, size(*args, **kwargs)))
 
+        self._replace(owner, name, original, timed)
+
+    def wrap_future(self, owner, name: str, label: str, size=lambda *a, **k: 1) -> None:
+        """Like `wrap` for a call that returns a future: from the call until the future is done."""
+        original = getattr(owner, name)
+        records = self.records[label]
+
+        def timed(*args, **kwargs):
+            t, n = time.perf_counter(), size(*args, **kwargs)
+            future = original(*args, **kwargs)
+            future.add_done_callback(lambda _: records.append((time.perf_counter() - t, n)))
+            return future
+
+        self._replace(owner, name, original, timed)
+
+    def _replace(self, owner, name: str, original, timed) -> None:
         had_own = name in vars(owner) if not isinstance(owner, type) else True
         setattr(owner, name, timed)
         self._undo.append((owner, name, original, had_own))
@@ -70,7 +86,8 @@ class Probe:
         self.wrap(turn, "from_proto", "client_serialise")
         self.wrap(turn_call, "to_proto", "server_serialise")
         self.wrap(turn_call, "from_proto", "server_serialise")
-        self.wrap(engine, "step", "engine_step", lambda turn, hidden, *a, **k: int(hidden.shape[0]))
+        # the service submits a step and awaits its future
+        self.wrap_future(engine, "submit_step", "engine_step", lambda turn, hidden, *a, **k: int(hidden.shape[0]))
         self.wrap(layer_stack(engine), "forward_batch", "forward", rows)
         self.wrap(PagedBatch, "attend", "attention")
         return self
@@ -131,9 +148,9 @@ def profile(split, sessions: int, steps: int) -> tuple[list[ProfileRow], dict]:
         ("client: sampling", per_call["client_sampling"]),
         ("client: detokenising", per_call["client_detokenise"]),
         ("client: tensor ⇄ protobuf", per_call["client_serialise"]),
-        ("gRPC + service (round trip − engine.step)", round_trip - engine_step),
+        ("gRPC + service (round trip − engine step)", round_trip - engine_step),
         ("  of which server tensor ⇄ protobuf", per_call["server_serialise"]),
-        ("engine: hand-off and waiting (engine.step − one forward)", engine_step - forward_wall),
+        ("engine: hand-off and waiting (engine step − one forward)", engine_step - forward_wall),
         ("engine: forward pass of the batch (served layers)", forward_wall),
         ("  of which paged attention", forward_wall * attention_share),
         ("token cycle (decode step send → next send)", cycle),
