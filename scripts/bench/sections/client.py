@@ -10,7 +10,8 @@ one would.
 Two models: the default (the workbench's client bundle) and a Llama-3-8B-shaped client half with
 random float32 weights built in memory (vocabulary 128,256, hidden 4,096, MLP 14,336, 32/8 heads,
 untied head), where the LM head dominates as it does in real deployments. Modes: float32 (the
-bundle), bfloat16, and int8 weight-only (bf16 activations). All modes of one model are timed in
+bundle), bfloat16 (weights packed for oneDNN where the CPU has bf16 kernels, `client/packed.py`), and
+int8 weight-only (bf16 activations). All modes of one model are timed in
 rotation, one step each, so a burst of load from other processes hits them alike. Targets apply at
 the 8B shape; agreement of the reduced modes with float32 is measured separately
 (`python -m infemeral.eval.client_precision`, docs/benchmarks/client_agreement.md).
@@ -52,6 +53,12 @@ class ClientMemoryRow:
     model: str
     mode: str
     weights_mb: float  # every tensor the client half holds, each storage once (a tied table once)
+    streamed_mb: float  # what one decode step reads whole: all of it but an untied embedding (looked up by row)
+
+
+def _streamed_bytes(client) -> int:
+    untied_embedding = 0 if client.head is client.embed else sum(t.nbytes for t in client.embed.tensors())
+    return client.memory_bytes() - untied_embedding
 
 
 def _step_timer(client, positions: int):
@@ -123,7 +130,8 @@ def run(wb) -> Result:
         t = now()
         clients = build()
         log(f"  built in {now() - t:.0f} s")
-        memory += [ClientMemoryRow(model, mode, c.memory_bytes() / 2**20) for mode, c in clients.items()]
+        memory += [ClientMemoryRow(model, mode, c.memory_bytes() / 2**20, _streamed_bytes(c) / 2**20)
+                   for mode, c in clients.items()]
         rows += _measure(model, clients, reps)
         del clients
         gc.collect()
@@ -135,12 +143,13 @@ def run(wb) -> Result:
              for model in ("default", "8b-shape") for mode in ("bfloat16", "int8")}
     facts.update({f"8b-shape_{mode}_verify5": ratio(ms("8b-shape", mode, 5), ms("8b-shape", mode, 1))
                   for mode in MODES})
-    targets = [
-        at_most(NAME, "8b_bf16_step", f"8B shape: bfloat16 decode step ≤ {BF16_TARGET}× float32",
-                facts["8b-shape_bfloat16_ratio"], BF16_TARGET, f"{fmt(facts['8b-shape_bfloat16_ratio'], '.2f')}x"),
-        at_most(NAME, "8b_int8_step", f"8B shape: int8 decode step ≤ {INT8_TARGET}× float32",
-                facts["8b-shape_int8_ratio"], INT8_TARGET, f"{fmt(facts['8b-shape_int8_ratio'], '.2f')}x"),
-    ]
+    streamed = {x.mode: x.streamed_mb * 2**20 for x in memory if x.model == "8b-shape"}
+    facts.update({f"8b-shape_{mode}_gb_per_s": streamed[mode] / ms("8b-shape", mode) / 1e6 for mode in MODES})
+    targets = []
+    for mode, name, goal in (("bfloat16", "8b_bf16_step", BF16_TARGET), ("int8", "8b_int8_step", INT8_TARGET)):
+        value = facts[f"8b-shape_{mode}_ratio"]
+        targets.append(at_most(NAME, name, f"8B shape: {mode} decode step ≤ {goal}× float32", value, goal,
+                               f"{fmt(value, '.2f')}x", _rate_note(facts, streamed, mode, goal) if value > goal else ""))
     for mode in ("bfloat16", "int8"):
         value = facts[f"8b-shape_{mode}_verify5"]
         note = ("torch's int8 kernel decodes the weights again for every block of 4 rows, so its cost grows "
@@ -151,24 +160,36 @@ def run(wb) -> Result:
     method = (f"In-process, client half only; a cache of {CONTEXT} tokens; medians of {reps} steps per cell, all "
               f"modes of a model in rotation. Step = `cloak` (embedding, local layer, rotation) + `logits` "
               "(un-rotation, final norm, LM head); the server's residual is stood in for by the client's own "
-              "rotated hidden state. Weights: bytes of every tensor the client half holds.")
+              "rotated hidden state. Weights: bytes of every tensor the client half holds. Streamed: the bytes one "
+              "decode step reads whole (all but an untied embedding, which it reads by row) over the step's time.")
     return Result(NAME, method, rows + memory, targets, facts)
+
+
+def _rate_note(facts: dict, streamed: dict, mode: str, goal: float) -> str:
+    """Why a reduced mode misses its ratio: a decode step streams its weights, and float32 already streams fast."""
+    base, rate = facts["8b-shape_float32_gb_per_s"], facts[f"8b-shape_{mode}_gb_per_s"]
+    needed = base * streamed[mode] / streamed["float32"] / goal
+    return (f"a step streams its weights: float32 reads {streamed['float32'] / 1e9:.2f} GB at {base:.1f} GB/s, "
+            f"{mode} {streamed[mode] / 1e9:.2f} GB at {rate:.1f} GB/s; {goal}x needs {needed:.1f} GB/s, "
+            f"{needed / base:.2f}x float32's rate, from torch's {mode} CPU kernel")
 
 
 def report(r: Result) -> list[str]:
     steps = [x for x in r.rows if isinstance(x, ClientStepRow)]
-    memory = {(x.model, x.mode): x.weights_mb for x in r.rows if isinstance(x, ClientMemoryRow)}
+    memory = {(x.model, x.mode): x for x in r.rows if isinstance(x, ClientMemoryRow)}
     lines = [r.method + "\n", "| model | mode | weights MB | " + " | ".join(f"{k} pos. ms" for k in POSITIONS)
-             + " | local layer ms (1 pos.) | head ms (1 pos.) | step / float32 |",
-             "|---|---|---:|" + "---:|" * len(POSITIONS) + "---:|---:|---:|"]
+             + " | local layer ms (1 pos.) | head ms (1 pos.) | step / float32 | weights streamed, GB/s |",
+             "|---|---|---:|" + "---:|" * len(POSITIONS) + "---:|---:|---:|---:|"]
     for model in ("default", "8b-shape"):
         base = next((x.step_ms for x in steps if (x.model, x.mode, x.positions) == (model, "float32", 1)), None)
         for mode in MODES:
             cells = {x.positions: x for x in steps if (x.model, x.mode) == (model, mode)}
             if not cells:
                 continue
-            one = cells[1]
-            lines.append(f"| {model} | {mode} | {fmt(memory.get((model, mode)), '.0f')} | "
+            one, mem = cells[1], memory.get((model, mode))
+            rate = mem.streamed_mb * 2**20 / one.step_ms / 1e6 if mem else None
+            lines.append(f"| {model} | {mode} | {fmt(mem and mem.weights_mb, '.0f')} | "
                          + " | ".join(fmt(cells[k].step_ms) if k in cells else "–" for k in POSITIONS)
-                         + f" | {fmt(one.cloak_ms)} | {fmt(one.logits_ms)} | {fmt(ratio(one.step_ms, base), '.2f')}× |")
+                         + f" | {fmt(one.cloak_ms)} | {fmt(one.logits_ms)} | {fmt(ratio(one.step_ms, base), '.2f')}× "
+                         f"| {fmt(rate)} |")
     return lines + [""]
