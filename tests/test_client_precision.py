@@ -8,9 +8,6 @@ whose agreement with float32 is measured here against thresholds set from measur
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch

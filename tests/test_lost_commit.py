@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import grpc
 import pytest
+from faults import TurnFault
 
 from infemeral.client.sampling import SamplingParams
 from infemeral.client.sdk import Client
@@ -14,45 +14,20 @@ PARAMS = SamplingParams(max_new_tokens=6)
 QUESTIONS = ("Name a river.", "How long is it?", "Name another one.")
 
 
-class _Lost(grpc.RpcError):
-    def code(self):
-        return grpc.StatusCode.UNAVAILABLE
-
-    def details(self):
-        return "connection lost (simulated)"
-
-
-class _Call:
-    """Proxy of a Turn call that can lose the commit on the way out or its reply on the way back."""
-
-    def __init__(self, call, fault):
-        self._call, self._fault = call, fault
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        response = next(self._call)
-        if response.WhichOneof("kind") == "committed" and self._fault.mode == "reply":
-            self._fault.mode = None
-            raise _Lost()
-        return response
-
-    def cancel(self):
-        return self._call.cancel()
-
-
-class Fault(grpc.StreamStreamClientInterceptor):
+class Fault(TurnFault):
     mode: str | None = None  # "reply": the server commits, the client never hears; "request": commit never sent
 
-    def intercept_stream_stream(self, continuation, details, request_iterator):
-        def requests():
-            for r in request_iterator:
-                if r.WhichOneof("kind") == "commit" and self.mode == "request":
-                    self.mode = None
-                    raise _Lost()  # the stream breaks before the commit leaves
-                yield r
-        return _Call(continuation(details, requests()), self)
+    def on_request(self, request) -> bool:
+        if request.WhichOneof("kind") == "commit" and self.mode == "request":
+            self.mode = None
+            return True  # the stream breaks before the commit leaves
+        return False
+
+    def on_response(self, response) -> bool:
+        if response.WhichOneof("kind") == "committed" and self.mode == "reply":
+            self.mode = None
+            return True
+        return False
 
 
 @pytest.fixture

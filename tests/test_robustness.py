@@ -20,6 +20,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from faults import wait_until
 from conftest import StoredSession, free_port, spawn_server
 
 from infemeral.client.sampling import SamplingParams
@@ -42,15 +43,6 @@ def blob_path(store, session) -> StoredSession:
 def in_turn(server, session) -> bool:
     """Whether the in-process server holds an open turn for this session (engine internals, by session id)."""
     return session.id in server.engine._active
-
-
-def wait_until(predicate, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
 
 
 def open_request(session, fingerprint: str) -> pb.TurnRequest:

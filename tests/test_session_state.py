@@ -14,10 +14,10 @@ from __future__ import annotations
 import io
 import sys
 
-import grpc
 import pytest
 import torch
 
+from faults import TurnFault
 from conftest import start_server
 from infemeral.client.prefix import common_prefix
 from infemeral.client.sampling import SamplingParams
@@ -151,41 +151,17 @@ def test_one_turn_at_a_time_per_session(client):
 
 
 # -- the chat CLI -----------------------------------------------------------------------------------------
-class LoseCommitReply(grpc.StreamStreamClientInterceptor):
+class LoseCommitReply(TurnFault):
     """The server commits turn number `nth` (1-based) of this client, but its reply never arrives."""
 
     def __init__(self, nth: int):
         self.nth, self.commits = nth, 0
 
-    def intercept_stream_stream(self, continuation, details, request_iterator):
-        return _Call(continuation(details, request_iterator), self)
-
-
-class _Lost(grpc.RpcError):
-    def code(self):
-        return grpc.StatusCode.UNAVAILABLE
-
-    def details(self):
-        return "connection lost (simulated)"
-
-
-class _Call:
-    def __init__(self, call, fault: LoseCommitReply):
-        self._call, self._fault = call, fault
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        response = next(self._call)
-        if response.WhichOneof("kind") == "committed":
-            self._fault.commits += 1
-            if self._fault.commits == self._fault.nth:
-                raise _Lost()
-        return response
-
-    def cancel(self):
-        return self._call.cancel()
+    def on_response(self, response) -> bool:
+        if response.WhichOneof("kind") != "committed":
+            return False
+        self.commits += 1
+        return self.commits == self.nth
 
 
 def run_chat(monkeypatch, capsys, server, bundles, sessions_dir, lines: list[str], interceptors=()) -> tuple:

@@ -31,6 +31,7 @@ import grpc
 import pytest
 import redis
 import torch
+from faults import wait_until
 from conftest import StoredSession, free_port, start_server
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -80,15 +81,6 @@ class RawTurn:
 
 def retry_after_ms(err: grpc.RpcError) -> int:
     return int(dict(err.trailing_metadata() or ()).get("retry-after-ms", 0))
-
-
-def wait_until(predicate, timeout: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
 
 
 def timed(fn):

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import threading
 
-import grpc
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from faults import TurnFault
 from conftest import start_server
 from infemeral.client.draft_model import DraftModel
 from infemeral.client.drafting import AnswerIndex
@@ -205,49 +205,25 @@ def test_seeded_sampling_reproduces_with_speculation(client):
     assert a.token_ids == off.token_ids
 
 
-class _LoseCommitReply(grpc.StreamStreamClientInterceptor):
+class _LoseCommitReply(TurnFault):
     """Records each Turn's request kinds; can make the client never hear the `committed` reply."""
 
     def __init__(self):
         self.kinds: list[list[str]] = []
         self.lose = False
 
-    def intercept_stream_stream(self, continuation, details, request_iterator):
-        kinds: list[str] = []
-        self.kinds.append(kinds)
+    def on_stream(self) -> None:
+        self.kinds.append([])
 
-        def requests():
-            for r in request_iterator:
-                kinds.append(r.WhichOneof("kind"))
-                yield r
+    def on_request(self, request) -> bool:
+        self.kinds[-1].append(request.WhichOneof("kind"))
+        return False
 
-        return _Call(continuation(details, requests()), self)
-
-
-class _Call:
-    def __init__(self, call, owner):
-        self._call, self._owner = call, owner
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        response = next(self._call)
-        if response.WhichOneof("kind") == "committed" and self._owner.lose:
-            self._owner.lose = False
-            raise _Lost()
-        return response
-
-    def cancel(self):
-        return self._call.cancel()
-
-
-class _Lost(grpc.RpcError):
-    def code(self):
-        return grpc.StatusCode.UNAVAILABLE
-
-    def details(self):
-        return "connection lost (simulated)"
+    def on_response(self, response) -> bool:
+        if response.WhichOneof("kind") == "committed" and self.lose:
+            self.lose = False
+            return True
+        return False
 
 
 def test_a_lost_commit_with_dropped_drafts_is_settled(client, server, bundles):

@@ -28,7 +28,6 @@ an 8B model cannot run in float32 on a laptop CPU, and only the client half is u
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
 import time
@@ -260,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.model == "default":
             setup = default_model_setup(args.positions, Path(work))
             what = (f"Default model (SmolLM2-135M-Instruct), real split with float32 server layers; "
-                    f"float32 greedy continuations of chat prompts")
+                    "float32 greedy continuations of chat prompts")
         else:
             setup = random_model_setup(args.positions)
             what = ("Llama-3-8B-shaped client half with random weights, identity stand-in for the server; "

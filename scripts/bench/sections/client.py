@@ -22,7 +22,6 @@ from __future__ import annotations
 import gc
 from dataclasses import dataclass
 
-import torch
 
 from bench.harness import at_most, fmt, log, median, now, ratio
 from bench.sections import Result
