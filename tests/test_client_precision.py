@@ -129,6 +129,7 @@ def test_bf16_packs_its_linears_and_an_untied_head_but_float32_packs_nothing(tin
         assert bf16.packs and sum(isinstance(m, packed.PackedLinear) for m in bf16.layers.modules()) == 7
         assert not any(isinstance(m, torch.nn.Linear) for m in bf16.layers.modules())
         assert torch.equal(bf16.basis, fp32.basis.to(torch.bfloat16))
+        assert bf16.describe().endswith("(packed for oneDNN)") and "packed" not in fp32.describe()
     assert isinstance(ClientModel(untied, dtype="bfloat16").head, packed.PackedHead)
     tied_bf16 = ClientModel(tied, dtype="bfloat16")
     assert tied_bf16.head is tied_bf16.embed  # a packed table could not serve lookups: the tied one stays dense

@@ -268,7 +268,7 @@ def cmd_info(args) -> int:
         print(json_format.MessageToJson(info, preserving_proto_field_name=True, always_print_fields_with_no_presence=True))
         match = info.bundle_fingerprint == client.bundle.server_fingerprint
         print(f"client bundle matches server bundle: {'yes' if match else 'NO'}")
-        print(f"laptop half: {client.model.compute.describe()}, {client.model.memory_bytes() / 2**20:.0f} MiB")
+        print(f"laptop half: {client.model.describe()}, {client.model.memory_bytes() / 2**20:.0f} MiB")
     return 0 if match else 1
 
 

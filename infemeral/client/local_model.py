@@ -182,6 +182,10 @@ class ClientModel:
     def basis(self, q: torch.Tensor) -> None:
         self._to_secret, self._from_secret = packed.Projection(q), packed.Projection(q.T)
 
+    def describe(self) -> str:
+        """How this half computes, for `infemeral-client info`."""
+        return self.compute.describe() + (" (packed for oneDNN)" if self.packs else "")
+
     @property
     def hidden_size(self) -> int:
         return self.config.hidden_size
