@@ -9,6 +9,7 @@ It computes in a dtype, on a device and with weights in full precision or int8
 float32 on the CPU and stays token-identical to plain transformers; lower
 precision, int8 weights and local accelerators trade that identity for speed,
 and their agreement with float32 is measured (`infemeral.eval.client_precision`).
+On a CPU with native bf16/fp16 kernels those dtypes run on packed weights (`packed.py`).
 """
 
 from __future__ import annotations
