@@ -20,6 +20,7 @@ from infemeral.client import cli
 from infemeral.client.local_model import ClientModel
 from infemeral.client.sampling import SamplingParams
 from infemeral.client.sdk import Client
+from infemeral.errors import FailedPrecondition
 from infemeral.kvcache.cache import KVCache
 from infemeral.kvcache.persistence import SessionPersistence
 from infemeral.kvcache.stored import SessionKeys
@@ -123,6 +124,18 @@ def test_vocabulary_matching_collapses_with_a_wrong_basis(bundles, client_half):
     assert right.num_correct(seen.token_ids) == seen.num_tokens and right.num_verified == seen.num_tokens
     assert wrong.num_correct(seen.token_ids) <= 0.1 * seen.num_tokens
     assert wrong.num_verified == 0
+
+
+def test_a_public_model_of_another_shape_is_refused_for_any_client_mode(bundles, client_half):
+    model, _ = client_half
+    basis = ClientBundle.open(bundles.client_dir).basis().double()
+    weights = PublicWeights.simulated(model, None, basis)
+    int8 = ClientModel(ClientBundle.open(bundles.client_dir), quant="int8")
+    weights.check_matches(model)
+    weights.check_matches(int8)  # the int8 table's shape, not its bytes
+    other = PublicWeights(weights.config, weights.embed[:-1], weights.front, None, None, "a smaller vocabulary")
+    with pytest.raises(FailedPrecondition, match="pass the public model the bundles were prepared from"):
+        other.check_matches(int8)
 
 
 def test_gram_linking_auc_drops_to_chance_without_the_real_token_identities(client_half):

@@ -145,6 +145,7 @@ def test_every_table_gives_its_whole_dense_float32_form(tiny):
     assert dense.dtype == torch.float32 and torch.equal(dense.to(int8.dtype), int8.embed.lookup(ids))
     assert not torch.equal(dense, fp32.embed.dense())  # really the int8 table
     assert (dense - fp32.embed.dense()).abs().max() < 0.02 * fp32.embed.dense().abs().max()
+    assert fp32.embed.shape == int8.embed.shape == dense.shape  # what the audit checks without dequantising
 
 
 def test_prepared_int8_bundle_is_smaller_and_equals_int8_at_load_time(tiny, tmp_path):

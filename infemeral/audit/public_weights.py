@@ -61,7 +61,7 @@ class PublicWeights:
                    served_weights["self_attn.o_proj.weight"].double(), source.description)
 
     def check_matches(self, model: ClientModel) -> None:
-        client_shape = tuple(model.embed.dense().shape)
+        client_shape = tuple(model.embed.shape)  # without dequantising the table
         if tuple(self.embed.shape) != client_shape:
             raise FailedPrecondition(
                 f"the public model has a {tuple(self.embed.shape)} embedding but the client bundle "

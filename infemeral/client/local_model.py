@@ -96,6 +96,10 @@ class DenseTokenTable:
     def __init__(self, weight: torch.Tensor):
         self.weight = weight
 
+    @property
+    def shape(self) -> torch.Size:
+        return self.weight.shape
+
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         return self.weight[ids]
 

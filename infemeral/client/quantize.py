@@ -121,6 +121,10 @@ class Int8TokenTable:
         self.kernel_scales = scales.to(device, dtype)
         self.dtype = dtype
 
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         return dequantize_rows(self.codes[ids], self.scales[ids], self.dtype)
 
