@@ -36,7 +36,7 @@ def packs(device_type: str, dtype: torch.dtype) -> bool:
         g = torch.Generator().manual_seed(0)
         w = torch.randn(48, 32, generator=g).to(dtype)
         x = torch.randn(3, 32, generator=g).to(dtype)
-        out = _linear(x, torch.ops.mkldnn._reorder_linear_weight(w, 1), None)
+        out = _linear(x, pack(w), None)
         return bool(torch.allclose(out.float(), F.linear(x, w).float(), rtol=2e-2, atol=2e-2))
     except (AttributeError, NotImplementedError, RuntimeError):
         return False

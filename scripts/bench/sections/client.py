@@ -22,7 +22,6 @@ from __future__ import annotations
 import gc
 from dataclasses import dataclass
 
-
 from bench.harness import at_most, fmt, log, median, now, ratio
 from bench.sections import Result
 
@@ -53,6 +52,10 @@ class ClientMemoryRow:
     mode: str
     weights_mb: float  # every tensor the client half holds, each storage once (a tied table once)
     streamed_mb: float  # what one decode step reads whole: all of it but an untied embedding (looked up by row)
+
+
+def _gb_per_s(streamed_mb: float, step_ms: float) -> float:
+    return streamed_mb * 2**20 / step_ms / 1e6
 
 
 def _streamed_bytes(client) -> int:
@@ -143,7 +146,8 @@ def run(wb) -> Result:
     facts.update({f"8b-shape_{mode}_verify5": ratio(ms("8b-shape", mode, 5), ms("8b-shape", mode, 1))
                   for mode in MODES})
     streamed = {x.mode: x.streamed_mb * 2**20 for x in memory if x.model == "8b-shape"}
-    facts.update({f"8b-shape_{mode}_gb_per_s": streamed[mode] / ms("8b-shape", mode) / 1e6 for mode in MODES})
+    facts.update({f"8b-shape_{x.mode}_gb_per_s": _gb_per_s(x.streamed_mb, ms("8b-shape", x.mode))
+                  for x in memory if x.model == "8b-shape"})
     targets = []
     for mode, name, goal in (("bfloat16", "8b_bf16_step", BF16_TARGET), ("int8", "8b_int8_step", INT8_TARGET)):
         value = facts[f"8b-shape_{mode}_ratio"]
@@ -186,7 +190,7 @@ def report(r: Result) -> list[str]:
             if not cells:
                 continue
             one, mem = cells[1], memory.get((model, mode))
-            rate = mem.streamed_mb * 2**20 / one.step_ms / 1e6 if mem else None
+            rate = _gb_per_s(mem.streamed_mb, one.step_ms) if mem else None
             lines.append(f"| {model} | {mode} | {fmt(mem and mem.weights_mb, '.0f')} | "
                          + " | ".join(fmt(cells[k].step_ms) if k in cells else "–" for k in POSITIONS)
                          + f" | {fmt(one.cloak_ms)} | {fmt(one.logits_ms)} | {fmt(ratio(one.step_ms, base), '.2f')}× "
