@@ -157,9 +157,11 @@ def session_path(settings: ClientSettings, name: str) -> Path:
 
 
 def cmd_prepare(args) -> int:
+    from infemeral.cloak.heap import map_large_allocations
     from infemeral.cloak.prepare import prepare
     from infemeral.config import DATA_HOME
 
+    map_large_allocations()  # this process only prepares: freed layers go straight back to the OS
     output = args.output or DATA_HOME / "bundles" / "default"
     result = prepare(None if args.model == "default" else args.model, output, client_dir=args.client_dir,
                      server_dir=args.server_dir, client_layers=args.client_layers, dtype=args.dtype,

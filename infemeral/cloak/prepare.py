@@ -1,8 +1,8 @@
 """Split a model into a client bundle and a rotated server bundle.
 
 Works layer by layer: each server layer is read, folded, rotated, written and
-dropped before the next, so peak memory stays near one layer plus Q (plus the
-whole model for GGUF input, which must be dequantised at once).
+dropped before the next, so peak memory stays near one layer plus the embedding,
+LM head and Q, whether the model comes as sharded safetensors or as GGUF.
 """
 
 from __future__ import annotations
