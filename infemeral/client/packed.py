@@ -92,9 +92,6 @@ class PackedHead:
     def tensors(self) -> list[torch.Tensor]:
         return [self.weight]
 
-    def dense(self) -> torch.Tensor:
-        return self.weight.to_dense().float()
-
 
 class Projection:
     """Right-multiplication by a fixed square matrix (the secret basis or its transpose): `x @ matrix`.

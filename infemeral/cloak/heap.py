@@ -4,7 +4,7 @@ glibc serves an allocation from the heap or from its own mmap depending on a siz
 raises, up to 32 MiB, each time a mapped block is freed. After the first layer is dropped, layer-sized
 tensors of a small or medium model therefore come from the heap, and what they leave behind when freed
 stays in the process: the peak then drifts by the size of a layer or two from run to run (measured on a
-0.5 GB checkpoint: 87 to 201 MB above the baseline; with the threshold fixed, 74 MB every run).
+0.5 GB checkpoint: 87 to 201 MB above the baseline; with the threshold fixed, 72 MB every run).
 
 Only for processes that do nothing but prepare: a decode loop would pay a fresh page fault for every
 large activation instead of reusing the heap.
