@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from infemeral.model.attention import attend
 
@@ -97,8 +98,13 @@ class PaddedGroup:
     page is ever read); positions at or past its length are zeroed after the gather (the
     pool is uninitialised memory, so even a sequence's own last page may hold NaN there)
     and masked out of the scores. The padded length depends only on the sequence's own
-    length, and SDPA computes each batch row independently, so a session gets bit for
-    bit the same result whichever sessions share its batch (or none)."""
+    length, and SDPA's math kernel on contiguous inputs computes each batch row the same way
+    whatever the batch size, so a session gets bit for bit the same result whichever sessions
+    share its batch (or none). Neither half of that is free: measured with 2 threads on an
+    AVX-512 CPU, the fused CPU kernel splits its work by batch size, and the math kernel's
+    matmuls take another path for strided inputs; either way rows differ by ~1e-7 between a
+    batch of 3 and the same row alone. Groups hold short caches (below IN_PLACE_MIN_TOKENS),
+    where the math kernel and the copies cost little."""
 
     members: list[int]             # sequence indices in the batch
     table: torch.Tensor            # [B, padded_pages] page ids
@@ -137,8 +143,9 @@ class PaddedGroup:
         keys, values = keys.transpose(1, 2), values.transpose(1, 2)                               # [B, KVH, L, D]
         rows = q if self.q_rows is None else q.index_select(0, self.q_rows)                      # [B * n, H, D]
         query = rows.view(b, n, h, d).transpose(1, 2).reshape(b, kvh, g * n, d)  # head kvh*g+j, row j*n+i
-        o = F.scaled_dot_product_attention(query, keys, values, attn_mask=self.mask(window, g, length),
-                                           scale=sm_scale)
+        with sdpa_kernel(SDPBackend.MATH):  # batch-invariant only so: see the class docstring
+            o = F.scaled_dot_product_attention(query.contiguous(), keys.contiguous(), values.contiguous(),
+                                               attn_mask=self.mask(window, g, length), scale=sm_scale)
         return o.view(b, h, n, d).transpose(1, 2).reshape(b * n, h, d)
 
 
