@@ -3,11 +3,17 @@ answer but keeps the conversation, checked against the SDK's greedy answers from
 
 from __future__ import annotations
 
+import fcntl
 import io
 import os
+import pty
+import signal
+import struct
 import sys
+import termios
 
 import pexpect
+import pexpect.fdpexpect
 import pytest
 import torch
 
@@ -19,6 +25,68 @@ FIRST = "What is the capital of France?"
 LONG = "Write a very long story about a dragon and a knight, with many chapters."
 THIRD = "Now the capital\nof Italy?"
 MAX_TOKENS = 300
+# How long each step may take. The chat's first line comes before anything heavy, within 2 s even on a busy
+# machine; a chat silent for a minute is stuck. Its start-up (imports of torch and transformers, the local half of the
+# model) is CPU-bound work that the machine's load stretches: 5 s on an idle 2-core machine, measured at 11 to 30 s
+# at load 5 to 6, and CI runs at load 3 to 5 beside other jobs. An answer took at most 35 s under that load.
+FIRST_LINE_TIMEOUT = 60
+LOAD_TIMEOUT = 300
+STEP_TIMEOUT = 120
+
+
+class Terminal:
+    """A program in a pseudo-terminal of its own, as a shell starts it: its controlling terminal, so ^C typed
+    there interrupts it.
+
+    Started with posix_spawn, not pexpect.spawn: pexpect forks this process, which runs the fixtures' gRPC server
+    and clients; gRPC's fork handlers restart its poller thread in the forked child, the child closes every
+    descriptor before exec, and the poller aborts it on the closed epoll descriptor (measured: 16 of 850
+    pexpect.spawn children killed by SIGABRT before exec; none of 300 with posix_spawn, which runs no fork
+    handlers)."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], *, rows: int = 40, cols: int = 200):
+        master, slave = pty.openpty()
+        try:
+            fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+            # A new session that opens the terminal by name takes it as its controlling terminal.
+            self.pid = os.posix_spawn(argv[0], argv, env, setsid=True, file_actions=[
+                (os.POSIX_SPAWN_OPEN, 0, os.ttyname(slave), os.O_RDWR, 0),
+                (os.POSIX_SPAWN_DUP2, 0, 1), (os.POSIX_SPAWN_DUP2, 0, 2)])
+        except BaseException:
+            os.close(master)
+            raise
+        finally:
+            os.close(slave)  # the child holds the only copy: its exit is the end of the output
+        self.io = pexpect.fdpexpect.fdspawn(master, encoding="utf-8", timeout=STEP_TIMEOUT)
+        self.exit_code: int | None = None
+
+    def interrupt(self) -> None:
+        self.io.send("\x03")  # ^C, as typed
+
+    def wait(self) -> int:
+        if self.exit_code is None:
+            self.exit_code = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+        return self.exit_code
+
+    def stacks(self) -> str:
+        """Abort a stuck program and return what it printed meanwhile and while dying: with PYTHONFAULTHANDLER
+        set, every thread's Python stack."""
+        os.kill(self.pid, signal.SIGABRT)
+        try:
+            self.io.expect(pexpect.EOF, timeout=60)
+        except pexpect.TIMEOUT:
+            pass
+        return self.io.before
+
+    def close(self) -> None:
+        """Kill the program if it is still there, and let it go."""
+        if self.exit_code is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.wait()
+        self.io.close()
 
 
 def test_multi_line_messages_from_a_pipe():
@@ -28,16 +96,33 @@ def test_multi_line_messages_from_a_pipe():
         "one line", "first \nsecond", "\nblock one\n  block two\n", "inline", None]
 
 
+def test_the_chat_says_it_is_loading_before_it_loads(tmp_path):
+    """The first line comes before the model is loaded: a bundle that is not there is reported after it."""
+    env = dict(os.environ, INFEMERAL_SERVER="127.0.0.1:1", INFEMERAL_CLIENT_BUNDLE=str(tmp_path / "missing"),
+               INFEMERAL_SESSIONS_DIR=str(tmp_path / "sessions"), TERM="dumb")
+    term = Terminal([sys.executable, "-m", "infemeral.client.cli", "chat"], env)
+    try:
+        term.io.expect(pexpect.EOF, timeout=LOAD_TIMEOUT)
+        assert term.wait() == 2
+    finally:
+        term.close()
+    lines = term.io.before.splitlines()
+    assert lines[0] == f"loading the model ({tmp_path / 'missing'})..."
+    assert "is not an infemeral bundle" in lines[1]
+
+
 @pytest.mark.slow
 def test_ctrl_c_stops_the_answer_and_keeps_the_session(server, client, bundles, tmp_path):
     env = dict(os.environ, INFEMERAL_SERVER=f"127.0.0.1:{server.port}", INFEMERAL_CLIENT_BUNDLE=str(bundles.client_dir),
                INFEMERAL_SESSIONS_DIR=str(tmp_path / "sessions"), INFEMERAL_CHAT_HISTORY=str(tmp_path / "history"),
-               INFEMERAL_ANSWER_INDEX_DIR=str(tmp_path / "answers"), TERM="dumb")
-    chat = pexpect.spawn(sys.executable, ["-m", "infemeral.client.cli", "chat", "--session", "repl",
-                                          "--max-new-tokens", str(MAX_TOKENS), "--temperature", "0"],
-                         env=env, encoding="utf-8", timeout=120, dimensions=(40, 200))
+               INFEMERAL_ANSWER_INDEX_DIR=str(tmp_path / "answers"), TERM="dumb", PYTHONFAULTHANDLER="1")
+    term = Terminal([sys.executable, "-m", "infemeral.client.cli", "chat", "--session", "repl",
+                     "--max-new-tokens", str(MAX_TOKENS), "--temperature", "0"], env)
+    chat = term.io
     try:
-        chat.expect_exact("you> ")
+        # A sign of life before the slow start-up; a chat that shows nothing for a minute is stuck, not slow.
+        chat.expect_exact("loading the model", timeout=FIRST_LINE_TIMEOUT)
+        chat.expect_exact("you> ", timeout=LOAD_TIMEOUT)
         chat.sendline("/help")
         chat.expect_exact('"""')  # the help explains multi-line input
         chat.expect_exact("you> ")
@@ -48,7 +133,7 @@ def test_ctrl_c_stops_the_answer_and_keeps_the_session(server, client, bundles, 
         chat.sendline(LONG)
         chat.expect_exact("assistant> ")
         chat.expect(r"\w+\W+\w+\W+\w+")
-        chat.sendintr()
+        term.interrupt()
         chat.expect_exact("stopped")
         chat.expect_exact("you> ")
         # Ctrl-C at the prompt only clears the line.
@@ -56,7 +141,7 @@ def test_ctrl_c_stops_the_answer_and_keeps_the_session(server, client, bundles, 
         # Wait for the echo: a Ctrl-C that lands while readline is still taking the keys is only seen at the next
         # key (CPython's readline loop); a person's Ctrl-C comes later, while it waits.
         chat.expect_exact("never sent")
-        chat.sendintr()
+        term.interrupt()
         chat.expect_exact("you> ")
         chat.sendline('"""')
         chat.sendline(THIRD.split("\n")[0])
@@ -65,9 +150,12 @@ def test_ctrl_c_stops_the_answer_and_keeps_the_session(server, client, bundles, 
         chat.expect_exact("you> ")
         chat.sendline("/exit")
         chat.expect(pexpect.EOF)
+        assert term.wait() == 0, chat.before
+    except pexpect.TIMEOUT as e:
+        pytest.fail(f"the chat stopped making progress:\n{e}\n\nwhat it printed since, then its stacks:\n"
+                    f"{term.stacks()}")
     finally:
-        chat.close(force=True)
-    assert chat.exitstatus == 0, chat.before
+        term.close()
     saved = Session.load(client, tmp_path / "sessions" / "repl.session")
     # The same conversation without the stopped message, through the SDK: the same state, token for token.
     params = SamplingParams(max_new_tokens=MAX_TOKENS)

@@ -240,10 +240,11 @@ def cmd_generate(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    from infemeral.client.chat_repl import ChatRepl
+    from infemeral.client.chat_repl import ChatRepl, say_loading
 
     settings = settings_from_args(ClientSettings, args)
     path = session_path(settings, args.session) if args.session else None
+    say_loading(settings.client_bundle)  # before the heavy imports: the first sign of life comes at once
     with _client(settings) as client:
         return ChatRepl(client, settings, session_name=args.session, session_path=path, system=args.system,
                         verbose=args.verbose, report=_report).run()
