@@ -56,6 +56,37 @@ def test_int8_matmul_matches_the_dequantised_weights(dtype, k):
     assert (got - want).abs().max() <= tol * want.abs().max()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_an_int8_linear_adds_its_bias(dtype):
+    """Qwen-style layers have biases (q/k/v): the int8 linear must add them, in either kernel path."""
+    torch.manual_seed(0)
+    weight, bias = torch.randn(48, 64), 3 * torch.randn(48)
+    linear = quantize.Int8Linear(64, 48, bias=True)
+    codes, scales = quantize.quantize_rows(weight)
+    linear.weight, linear.scale, linear.bias = codes, scales.to(dtype), bias.to(dtype)
+    x = torch.randn(2, 5, 64).to(dtype)
+    want = x.float() @ quantize.dequantize_rows(codes, scales, torch.float32).T + bias
+    got = linear(x).float()
+    assert got.shape == (2, 5, 48)
+    assert (got - want).abs().max() <= (0.05 if dtype == torch.bfloat16 else 1e-4) * want.abs().max()
+
+
+def test_an_int8_client_keeps_the_layer_biases(tmp_path):
+    b = prepare(output=tmp_path, source=ModelSource(build(CONFIGS["qwen2"]())), progress=False)
+    bundle = ClientBundle.open(b.client_dir)
+    fp32, int8 = ClientModel(bundle), ClientModel(bundle, quant="int8", dtype="float32")
+    biases = {name: m.bias for name, m in int8.layers.named_modules()
+              if isinstance(m, quantize.Int8Linear) and m.bias is not None}
+    assert {name.rsplit(".", 1)[-1] for name in biases} == {"q_proj", "k_proj", "v_proj"}
+    ids = token_ids(PROMPT_LEN)
+    want = fp32.cloak(ids, fp32.new_cache())
+    error = (int8.cloak(ids, int8.new_cache()) - want).abs().max()
+    for bias in biases.values():
+        bias.zero_()
+    without = (int8.cloak(ids, int8.new_cache()) - want).abs().max()
+    assert error < 0.25 * without  # the biases matter here, and the int8 client has them
+
+
 def test_the_cpu_kernel_is_used_for_bf16():
     assert quantize.has_int8_kernel("cpu", torch.bfloat16)
 

@@ -1,7 +1,10 @@
-"""The optional local draft model: greedy drafts, a cache kept in step with the conversation, and the
-refusal of a model whose tokenizer differs from the target's."""
+"""The optional local draft model: greedy drafts, a cache kept in step with the conversation, one fork per
+conversation over shared weights, and the refusal of a model whose tokenizer differs from the target's."""
 
 from __future__ import annotations
+
+import sys
+import threading
 
 import pytest
 import torch
@@ -85,3 +88,39 @@ def test_load_checks_the_tokenizer(tmp_path):
         DraftModel.load(tmp_path / "draft", target_tokenizer=tiny_tokenizer(WORDS[:-1] + ["other"]))
     with pytest.raises(FileNotFoundError, match="draft model not found"):
         DraftModel.load(tmp_path / "missing", target_tokenizer=tokenizer)
+
+
+def test_forks_share_the_weights_and_draft_apart_in_threads():
+    """Each session drafts through its own fork: the weights are shared, the cache is not, so two
+    conversations drafting at once in threads each get their own greedy continuation."""
+    model = tiny_model(2)
+    forks = [DraftModel(model).fork() for _ in range(2)]
+    assert forks[0].model is forks[1].model is model and forks[0]._cache is None
+    proposals, errors = {0: [], 1: []}, []
+    start = threading.Barrier(2)
+
+    def run(i: int) -> None:
+        try:
+            context = [[5, 9, 3], [17, 4, 22, 8]][i]
+            start.wait()
+            for step in range(30):
+                drafts = forks[i].propose(context, 3)
+                proposals[i].append((context, drafts))
+                context = context + drafts[:step % 3] + [(5 * step + i) % 32]  # some kept, then the target's own
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible: proposals really interleave
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors, errors
+    for i in range(2):
+        for context, drafts in proposals[i]:
+            assert drafts == greedy(model, context, 3)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+import random
 import stat
+import threading
 
 import numpy as np
 
-from infemeral.client.drafting import AnswerIndex, DraftSource, FirstOf, PromptLookup, suffix_matches
+from infemeral.client.drafting import SEPARATOR, AnswerIndex, DraftSource, FirstOf, PromptLookup, suffix_matches
 
 
 def test_prompt_lookup_copies_what_followed_the_last_tokens():
@@ -94,7 +97,13 @@ def test_answer_index_is_bounded_dropping_the_oldest_answers(tmp_path):
     assert index.propose([1, 2, 3], 2) == []
     assert index.propose([11, 12, 13], 2) == [14, 15]
     assert AnswerIndex(path, max_tokens=12).corpus.tolist() == index.corpus.tolist()
+    # The file is appended to, and rewritten only once it has grown to twice the bound.
+    assert path.stat().st_size == 4 * 16
+    index.add([31, 32, 33, 34, 35, 36, 37, 38, 39])  # 26 > 24: rewritten with what the index keeps
+    assert index.corpus.tolist() == [31, 32, 33, 34, 35, 36, 37, 38, 39, -1]
     assert path.stat().st_size == 4 * len(index.corpus)
+    assert AnswerIndex(path, max_tokens=12).corpus.tolist() == index.corpus.tolist()
+    assert [p.name for p in tmp_path.iterdir()] == ["answers.tokens"]  # no temporary file left behind
 
 
 def test_answer_index_file_is_per_tokenizer(tmp_path):
@@ -119,3 +128,98 @@ def test_first_of_uses_the_first_source_that_drafts(tmp_path):
     assert both.name == "ngram+answers"
     assert both.propose([1, 2, 3], 2) == [90, 91]  # the conversation has nothing, the index has
     assert both.propose([1, 2, 3, 80, 81, 1, 2, 3], 2) == [80, 81]  # the conversation comes first
+
+
+def test_answer_index_takes_concurrent_adds_once_full(tmp_path):
+    """1,200 adds from 8 threads to a full index: nothing raises, and the index (in memory and reloaded
+    from its file) holds whole answers only, the newest ones, each exactly as added."""
+    path = tmp_path / "answers.tokens"
+    index = AnswerIndex(path, max_tokens=2_000, vocab_size=50_000)
+    rng = random.Random(0)
+    while len(index.corpus) < index.max_tokens - 50:  # full: every add below drops old answers
+        index.add([rng.randrange(50_000) for _ in range(40)])
+    answers = {}
+    for t in range(8):
+        for i in range(150):
+            answers[(t, i)] = [7, t, i] + [rng.randrange(50_000) for _ in range(rng.randrange(1, 30))]
+    errors, start = [], threading.Barrier(8)
+
+    def add(t: int) -> None:
+        try:
+            start.wait()
+            for i in range(150):
+                index.add(answers[(t, i)])
+                index.propose([7, t, i], 4)  # readers run alongside
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=add, args=(t,)) for t in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors[:3]
+
+    def whole_answers(corpus) -> list[list[int]]:
+        assert corpus[-1] == SEPARATOR and len(corpus) <= index.max_tokens
+        cuts = np.flatnonzero(corpus == SEPARATOR)
+        return [corpus[a + 1:b].tolist() for a, b in zip([-1, *cuts[:-1]], cuts)]
+
+    kept = whole_answers(index.corpus)
+    assert len(kept) > 50 and all(answers[tuple(a[1:3])] == a for a in kept)
+    last = {}  # each thread's answers appear in the order it added them, up to its last one
+    for a in kept:
+        assert last.get(a[1], -1) < a[2]
+        last[a[1]] = a[2]
+    assert all(i == 149 for i in last.values())
+    assert AnswerIndex(path, max_tokens=2_000, vocab_size=50_000).corpus.tolist() == index.corpus.tolist()
+    assert [p.name for p in tmp_path.iterdir()] == ["answers.tokens"]
+
+
+def test_a_damaged_answer_index_file_is_cut_back_to_its_last_whole_answer(tmp_path, caplog):
+    path = tmp_path / "answers.tokens"
+    index = AnswerIndex(path, vocab_size=1_000)
+    index.add([100, 101, 102, 103])
+    index.add([200, 201, 202])
+    good = path.read_bytes()
+    cases = {
+        "torn append": good + np.array([300, 301], dtype="<i4").tobytes()[:6],  # half an id
+        "unended answer": good + np.array([300, 301], dtype="<i4").tobytes(),
+        "out of vocabulary": good + np.array([300, 5_000, SEPARATOR], dtype="<i4").tobytes(),
+        "negative id": good + np.array([-7, SEPARATOR], dtype="<i4").tobytes(),
+    }
+    for name, data in cases.items():
+        path.write_bytes(data)
+        with caplog.at_level(logging.WARNING, logger="infemeral.client.drafting"):
+            loaded = AnswerIndex(path, vocab_size=1_000)
+        assert loaded.corpus.tolist() == [100, 101, 102, 103, SEPARATOR, 200, 201, 202, SEPARATOR], name
+        assert "was damaged" in caplog.text, name
+        assert path.read_bytes() == good, name  # cut back, so later appends do not follow the damage
+        caplog.clear()
+        loaded.add([400, 401])
+        assert AnswerIndex(path, vocab_size=1_000).corpus.tolist()[-3:] == [400, 401, SEPARATOR]
+    path.write_bytes(b"\x01\x02\x03")  # not an index at all
+    assert AnswerIndex(path, vocab_size=1_000).corpus.tolist() == [] and path.read_bytes() == b""
+
+
+def test_answer_index_clears_under_threads_and_can_start_again(tmp_path):
+    path = tmp_path / "answers.tokens"
+    index = AnswerIndex(path)
+    index.add([1, 2, 3, 4])
+    index.clear()
+    index.clear()  # nothing left to remove: still fine
+    assert not path.exists() and index.num_tokens == 0
+    index.add([5, 6, 7])
+    assert AnswerIndex(path).corpus.tolist() == [5, 6, 7, SEPARATOR]
+
+
+def test_an_index_file_removed_from_outside_is_not_brought_back(tmp_path):
+    """`infemeral-client forget-answers` deletes the file while an endpoint may hold the index: its next
+    answer must not write the forgotten ones back."""
+    path = tmp_path / "answers.tokens"
+    index = AnswerIndex(path)
+    index.add([1, 2, 3, 4])
+    path.unlink()
+    index.add([5, 6, 7])
+    assert index.corpus.tolist() == [5, 6, 7, SEPARATOR]
+    assert AnswerIndex(path).corpus.tolist() == [5, 6, 7, SEPARATOR]

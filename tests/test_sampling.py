@@ -119,6 +119,8 @@ def test_repetition_penalty_pushes_negative_logits_down():
     ({"top_k": -1}, "top_k"),
     ({"repetition_penalty": 0.0}, "repetition_penalty"),
     ({"repetition_penalty": -1.0}, "repetition_penalty"),
+    ({"seed": 2**64}, "seed"),
+    ({"seed": -2**63 - 1}, "seed"),
 ])
 def test_sampling_params_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -128,3 +130,16 @@ def test_sampling_params_validation(kwargs, match):
 def test_sampling_params_defaults_are_greedy_and_valid():
     p = SamplingParams(top_p=1.0, top_k=0, temperature=0.0, max_new_tokens=1)
     assert p.temperature == 0.0 and p.repetition_penalty == 1.0 and p.stop == []
+
+
+def test_a_tiny_temperature_samples_the_top_token_instead_of_overflowing():
+    """logits / 1e-300 overflows float32 to inf, and softmax of inf - inf is NaN; the top token must win."""
+    logits = torch.tensor([1.0, 3.0, 2.0, -5.0])
+    probs = Sampler(SamplingParams(temperature=1e-300)).probabilities(logits, [])
+    assert torch.isfinite(probs).all() and probs.tolist() == [0.0, 1.0, 0.0, 0.0]
+    assert Sampler(SamplingParams(temperature=1e-300, seed=3))(logits, []) == 1
+
+
+def test_extreme_seeds_that_torch_accepts_are_valid():
+    for seed in (2**64 - 1, -2**63, 0):
+        Sampler(SamplingParams(temperature=1.0, seed=seed))(torch.zeros(4), [])

@@ -2,8 +2,9 @@
 
 Greedy output with drafts is token-identical to plain `transformers` and to speculation off: one turn,
 a three-turn chat, with the sliding window evicting in the middle of it, with several sessions batched
-on the server, with a draft model (good drafts and poor ones) and with the answer index; seeded
-sampling reproduces. The prompts quote passages so that drafts are really made and accepted.
+on the server, with a draft model (good drafts and poor ones, and two sessions drafting at once) and with
+the answer index (which never fails a turn); seeded sampling reproduces. The prompts quote passages so
+that drafts are really made and accepted.
 """
 
 from __future__ import annotations
@@ -179,6 +180,68 @@ def test_a_draft_model_keeps_the_output(reference, server, bundles, tiny_drafter
         assert result.accepted_drafts >= 0.8 * result.drafted_tokens
     else:  # random guesses are rejected, and the output is still the model's own
         assert result.accepted_drafts < result.drafted_tokens
+
+
+class RecordingDrafter(DraftModel):
+    """A draft model that records every proposal of every fork: (fork, context, max_draft, drafts)."""
+
+    def __init__(self, model, calls: list):
+        super().__init__(model)
+        self.calls = calls
+
+    def propose(self, context_ids, max_draft):
+        drafts = super().propose(context_ids, max_draft)
+        self.calls.append((id(self), list(context_ids), max_draft, drafts))
+        return drafts
+
+
+def test_sessions_drafting_at_once_each_draft_alone(reference, server, bundles):
+    """Two sessions of one client answer at once in threads with a draft model: nothing fails, every
+    draft is what a draft model that saw only that session's conversation proposes, and the tokens are
+    speculation off's."""
+    model, _ = reference
+    questions = ["Why is the sky blue?", "What is the capital of France?"]
+    expected = [plain_greedy(reference, [{"role": "user", "content": q}]) for q in questions]
+    calls: list = []
+    results, errors = {}, []
+    start = threading.Barrier(len(questions))
+    with Client(f"127.0.0.1:{server.port}", bundles.client_dir, timeout=300,
+                draft_model=RecordingDrafter(model, calls)) as client:
+        def run(i: int) -> None:
+            try:
+                session = client.new_session()
+                start.wait()
+                results[i] = session.chat(questions[i], greedy(speculate="draft"))
+            except BaseException as e:  # reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(questions))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(600)
+    assert not errors, errors
+    assert [results[i].token_ids for i in range(len(questions))] == expected
+    assert all(r.drafted_tokens > 0 for r in results.values())
+    alone = DraftModel(model)
+    for _, context, max_draft, drafts in calls:
+        assert drafts == alone.fork().propose(context, max_draft)
+    assert len({fork for fork, *_ in calls}) == len(questions)  # one drafter per session
+
+
+def test_an_answer_index_that_fails_never_fails_a_committed_turn(server, bundles, caplog):
+    class FullDisk(AnswerIndex):
+        def add(self, answer_ids):
+            raise OSError(28, "No space left on device")
+
+    params = SamplingParams(max_new_tokens=6)
+    with Client(f"127.0.0.1:{server.port}", bundles.client_dir, timeout=300, answer_index=FullDisk()) as client:
+        session = client.new_session()
+        with caplog.at_level("WARNING", logger="infemeral.client.turn"):
+            result = session.chat("Name a river.", params)
+        assert session.version == 1 and result.generated_tokens == 6
+        assert "answer index could not keep this answer" in caplog.text
+        assert session.chat("How long is it?", params).version == 2  # the session carries on
 
 
 def test_the_answer_index_drafts_from_an_earlier_session(reference, server, bundles, tmp_path):

@@ -6,12 +6,18 @@ runs entirely on the client (it sees the plain text, like the tokenizer does),
 greedily, with its own KV cache kept in step with the conversation: each
 proposal feeds only the tokens it has not seen and forgets its rejected guesses.
 
+That cache belongs to one conversation. A `Client` keeps one `DraftModel` and
+each session drafts through its own `fork()`: the weights are shared and only
+read, the cache and the tokens it has seen are the session's own, so sessions
+drafting at once in threads never see each other's state.
+
 Drafts are token ids, so the draft model must use exactly the target's
 tokenizer; anything else is refused before the first token.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -66,7 +72,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32):
 
 
 class DraftModel:
-    """Greedy drafts from a small causal LM run on the client."""
+    """Greedy drafts from a small causal LM run on the client, for one conversation at a time (`fork` for more)."""
 
     name = "draft"
     is_free = False  # every draft token is a forward pass of the draft model
@@ -83,6 +89,12 @@ class DraftModel:
     def load(cls, path: str | Path, target_tokenizer, dtype: torch.dtype = torch.float32) -> "DraftModel":
         model, tokenizer = load_model(path, dtype)
         return cls(model, tokenizer, target_tokenizer)
+
+    def fork(self) -> "DraftModel":
+        """A drafter over the same weights (shared, only read) with a cache of its own, empty."""
+        other = copy.copy(self)
+        other._cache, other._seen = None, []
+        return other
 
     @torch.inference_mode()
     def propose(self, context_ids: Sequence[int], max_draft: int) -> list[int]:

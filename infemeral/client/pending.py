@@ -8,6 +8,10 @@ the server says so and the session adopts this state; otherwise it is
 dropped. The record is saved in the session file, so a client that exits in
 between settles it when the session is resumed, instead of finding the server
 one version ahead.
+
+`committed_copy` is the one way a turn keeps a cache aside: the committed
+state it may have to restore (taken before the turn first rewrites committed
+positions), and the state a lost commit may turn out to have reached.
 """
 
 from __future__ import annotations
@@ -22,6 +26,16 @@ from infemeral.kvcache.cache import KVCache
 PREFIX = "pending."  # tensor names in the session file
 
 
+def committed_copy(cache: KVCache, length: int) -> KVCache:
+    """A copy of `cache`'s first `length` positions, all of them committed: a state a session can adopt as it
+    is, whatever happens to `cache` afterwards (rollbacks and saves keep all of it)."""
+    if length > cache.length:
+        raise ValueError(f"cannot copy {length} positions of a cache of {cache.length}")
+    copy = cache.clone()
+    copy.set_length(length)
+    return copy
+
+
 @dataclass
 class PendingCommit:
     turn_id: bytes           # the turn whose commit is in doubt
@@ -34,10 +48,8 @@ class PendingCommit:
     @classmethod
     def of_turn(cls, turn_id: bytes, version: int, cache: KVCache, history_ids: list[int], messages: list[dict],
                 result: TurnResult) -> "PendingCommit":
-        """Record a turn's outcome; copies the cache, which the session is about to roll back."""
-        snapshot = cache.clone()
-        snapshot.commit()  # adopted, it is the committed state: rollbacks and saves must keep all of it
-        return cls(turn_id, version, snapshot, list(history_ids), list(messages), result)
+        """Record a turn's outcome; copies the whole cache, which the session is about to roll back."""
+        return cls(turn_id, version, committed_copy(cache, cache.length), list(history_ids), list(messages), result)
 
     # -- the session file ----------------------------------------------------------------------------
     def metadata(self) -> dict:

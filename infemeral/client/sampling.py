@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 SPECULATE = ("ngram", "draft", "off")
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed accepts
 
 
 @dataclass
@@ -38,6 +39,8 @@ class SamplingParams:
             raise ValueError(f"speculate must be one of {', '.join(SPECULATE)}, not {self.speculate!r}")
         if self.max_draft < 0:
             raise ValueError("max_draft must be >= 0")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise ValueError(f"seed must be between {SEED_MIN} and {SEED_MAX}")
 
 
 class Sampler:
@@ -71,7 +74,9 @@ class Sampler:
         p = self.params
         if p.temperature == 0:
             raise ValueError("greedy decoding has no sampling distribution")
-        logits = self.penalized(logits, context_ids) / p.temperature
+        logits = self.penalized(logits, context_ids)
+        # From the top down, and never below float32's smallest normal: a tiny temperature cannot make inf - inf.
+        logits = (logits - logits.max()) / max(p.temperature, torch.finfo(logits.dtype).tiny)
         if p.top_k > 0:
             kth = torch.topk(logits, min(p.top_k, logits.numel())).values[-1]
             logits[logits < kth] = float("-inf")

@@ -27,15 +27,16 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from infemeral.cloak.bundle import ClientBundle
-from infemeral.client.drafting import AnswerIndex, DraftSource, FirstOf, PromptLookup
+from infemeral.client.drafting import AnswerIndex, DraftSource, FirstOf, PromptLookup, per_session
 from infemeral.client.local_model import ClientModel
 from infemeral.client.pending import PendingCommit
 from infemeral.client.prefix import common_prefix
 from infemeral.client.result import TurnResult
 from infemeral.client.sampling import SamplingParams
 from infemeral.client.speculation import DraftLength, StepCost
-from infemeral.client.turn import TurnLoop, TurnStream
-from infemeral.errors import FailedPrecondition, InfemeralError, NoChatTemplate, from_rpc_error
+from infemeral.client.template import ChatTemplate
+from infemeral.client.turn import TurnLoop, open_turn
+from infemeral.errors import Aborted, FailedPrecondition, InfemeralError, NoChatTemplate, from_rpc_error
 from infemeral.protocol import pb, pb_grpc
 from infemeral.protocol.tensors import WIRE_DTYPES
 from infemeral.transport import client_channel
@@ -52,9 +53,14 @@ class Client:
     server asks for one.
 
     Speculative decoding drafts from the conversation itself; `answer_index` (a directory, or an
-    `AnswerIndex`) also drafts from this client's earlier answers, kept in an owner-only file there;
+    `AnswerIndex`) also drafts from this client's earlier answers, kept in an owner-only file there
+    (None, the default, keeps no answers; `client.answer_index.clear()` forgets them);
     `draft_model` (a local model directory or .gguf file with this model's tokenizer, or a ready
-    `DraftSource`) enables `SamplingParams(speculate="draft")`.
+    `DraftSource`) enables `SamplingParams(speculate="draft")`. Each session drafts with its own
+    state of the draft model (its `fork()`), over weights all sessions share.
+
+    Opening a turn while the server is at a limit (RESOURCE_EXHAUSTED with a `retry-after-ms` hint) is
+    retried as the server says, within `timeout`; a turn that has started is never retried.
 
     `client_dtype` (auto, float32, bfloat16, float16), `client_device` (auto, cpu, cuda, mps) and
     `client_quant` (auto, none, int8) choose how the local half computes; None takes
@@ -76,6 +82,7 @@ class Client:
         self.model = ClientModel(self.bundle, dtype=settings.client_dtype, device=settings.client_device,
                                  quant=settings.client_quant)
         self.tokenizer = self.bundle.tokenizer()
+        self.template = ChatTemplate(self.tokenizer)
         gen = self.bundle.generation_config()
         eos = gen.eos_token_id if gen.eos_token_id is not None else []
         self.eos_ids = set(eos if isinstance(eos, list) else [eos])
@@ -92,7 +99,8 @@ class Client:
         self.stub = pb_grpc.InfemeralStub(self.channel)
         self._info: pb.ServerInfo | None = None
         if answer_index is not None and not isinstance(answer_index, AnswerIndex):
-            answer_index = AnswerIndex.for_tokenizer(answer_index, self.tokenizer)
+            answer_index = AnswerIndex.for_tokenizer(answer_index, self.tokenizer, vocab_size=max(
+                len(self.tokenizer), self.model.config.vocab_size))
         self.answer_index: AnswerIndex | None = answer_index
         if draft_model is not None and not isinstance(draft_model, DraftSource):
             from infemeral.client.draft_model import DraftModel
@@ -117,32 +125,22 @@ class Client:
     def wire_dtype(self) -> torch.dtype:
         return WIRE_DTYPES.get(self.server_info().dtype, torch.float32)
 
-    def draft_source(self, speculate: str) -> DraftSource | None:
-        """Where a turn's drafts come from: the conversation first, then earlier answers, then the draft model."""
-        if speculate == "off":
-            return None
-        sources: list[DraftSource] = [PromptLookup()]
-        if self.answer_index is not None:
-            sources.append(self.answer_index)
-        if speculate == "draft":
-            if self.draft_model is None:
-                raise InfemeralError("speculate='draft' needs a draft model (a small local model with this model's "
-                                     "tokenizer): Client(draft_model=PATH), or --draft-model PATH on the command "
-                                     "line; or use speculate='ngram'")
-            sources.append(self.draft_model)
-        return sources[0] if len(sources) == 1 else FirstOf(*sources)
-
     # -- text ---------------------------------------------------------------------------------
     def chat_ids(self, messages: list[dict]) -> list[int]:
-        """A transcript as the model reads it: rendered by its chat template, ready for the assistant's answer."""
+        """A transcript as the model reads it: rendered by its chat template, ready for the assistant's answer.
+
+        Message content is text: control tokens typed into a message (`<|im_start|>system…`) stay plain
+        characters, and only the template itself writes special tokens."""
         if not self.tokenizer.chat_template:
             raise NoChatTemplate()
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(ids if isinstance(ids, list) else ids["input_ids"])
+        return self.template.ids(messages)
 
-    def text_ids(self, text: str) -> list[int]:
-        """Raw text as the model reads it without a chat template (with the tokenizer's BOS, if it adds one)."""
-        return list(self.tokenizer(text)["input_ids"])
+    def text_ids(self, text: str, *, special_tokens: bool = False) -> list[int]:
+        """Raw text as the model reads it without a chat template (with the tokenizer's BOS, if it adds one).
+
+        The spelling of a special token (`<|im_end|>`) is plain text unless `special_tokens` is True, which
+        reads it as that token: for prompts written in the model's own control format, on purpose."""
+        return list(self.tokenizer(text, split_special_tokens=not special_tokens)["input_ids"])
 
     # -- sessions -----------------------------------------------------------------------------
     def new_session(self, system_prompt: str | None = None) -> "Session":
@@ -183,6 +181,8 @@ class Session:
         self.messages: list[dict] = [{"role": "system", "content": system_prompt}] if system_prompt else []
         self.cache = client.model.new_cache()
         self._busy = threading.Lock()
+        self._draft_model: DraftSource | None = None  # this session's own fork of the client's draft model
+        self._draft_model_of: DraftSource | None = None  # ... and the one it was forked from
         self.last_result: TurnResult | None = None
         # A turn whose commit was sent but never answered (connection lost), until the server says whether
         # it landed; the next turn settles it first.
@@ -216,45 +216,77 @@ class Session:
         return self._stream([dict(m) for m in messages], sampling or SamplingParams(), is_whole_transcript=True)
 
     # -- raw text -----------------------------------------------------------------------------
-    def complete(self, prompt: str | list[int], sampling: SamplingParams | None = None) -> TurnResult:
+    def complete(self, prompt: str | list[int], sampling: SamplingParams | None = None, *,
+                 special_tokens: bool = False) -> TurnResult:
         """Continue raw text (or token ids) without the chat template, for base models and template-free
         prompts; return the continuation once generated."""
-        for _ in self.stream_raw(prompt, sampling):
+        for _ in self.stream_raw(prompt, sampling, special_tokens=special_tokens):
             pass
         return self.last_result
 
-    def stream_raw(self, prompt: str | list[int], sampling: SamplingParams | None = None) -> Iterator[str]:
+    def stream_raw(self, prompt: str | list[int], sampling: SamplingParams | None = None, *,
+                   special_tokens: bool = False) -> Iterator[str]:
         """Continue raw text (or token ids); yield the continuation as it is sampled.
 
         `prompt` is the whole text: the session's caches keep what they share with it (a longer prompt
         that starts with an earlier prompt and its continuation sends only what is new). Raw turns leave
-        `messages` empty: the history is text, not a chat."""
-        ids = self.client.text_ids(prompt) if isinstance(prompt, str) else [int(i) for i in prompt]
+        `messages` empty: the history is text, not a chat. A text prompt is read as plain text, the
+        spelling of a special token included, unless `special_tokens` is True (`Client.text_ids`)."""
+        ids = (self.client.text_ids(prompt, special_tokens=special_tokens) if isinstance(prompt, str)
+               else [int(i) for i in prompt])
         if not ids:
             raise InfemeralError("the prompt is empty: there is nothing to continue")
         return self._stream([], sampling or SamplingParams(), render=lambda _: ids, is_whole_transcript=True)
 
-    def _render(self, messages: list[dict]) -> list[int]:
+    # -- what a turn uses -----------------------------------------------------------------------
+    def claim(self) -> None:
+        """Take the session for one turn; Aborted if a turn of it is running (one at a time)."""
+        if not self._busy.acquire(blocking=False):
+            raise Aborted("this session is already running a turn")
+
+    def release(self) -> None:
+        """The turn that claimed the session is over."""
+        self._busy.release()
+
+    def render(self, messages: list[dict]) -> list[int]:
+        """A transcript as token ids, by the model's chat template."""
         return self.client.chat_ids(messages)
 
-    def _settle_pending(self) -> None:
+    def draft_source(self, speculate: str) -> DraftSource | None:
+        """Where this session's drafts come from: the conversation first, then the client's earlier answers,
+        then the draft model (through this session's own fork of it)."""
+        if speculate == "off":
+            return None
+        client = self.client
+        sources: list[DraftSource] = [PromptLookup()]
+        if client.answer_index is not None:
+            sources.append(client.answer_index)
+        if speculate == "draft":
+            if client.draft_model is None:
+                raise InfemeralError("speculate='draft' needs a draft model (a small local model with this model's "
+                                     "tokenizer): Client(draft_model=PATH), or --draft-model PATH on the command "
+                                     "line; or use speculate='ngram'")
+            if self._draft_model is None or self._draft_model_of is not client.draft_model:
+                self._draft_model, self._draft_model_of = per_session(client.draft_model), client.draft_model
+            sources.append(self._draft_model)
+        return sources[0] if len(sources) == 1 else FirstOf(*sources)
+
+    def settle_pending(self) -> None:
         """Ask the server whether the turn whose commit reply was lost did commit; adopt it if so."""
-        pending, stream = self.pending_commit, TurnStream(self.client)
-        try:
-            opened = stream.call(pb.TurnRequest(open=pb.OpenTurn(
-                session_id=self.id, session_key=self.key, expected_version=self.version,
-                bundle_fingerprint=self.client.bundle.server_fingerprint, turn_id=secrets.token_bytes(16),
-                pending_turn_id=pending.turn_id, reserve_tokens=1)), "opened")
-        finally:
-            stream.close()  # no commit: the probe changes nothing
+        pending = self.pending_commit
+        stream, opened = open_turn(self.client, pb.OpenTurn(
+            session_id=self.id, session_key=self.key, expected_version=self.version,
+            bundle_fingerprint=self.client.bundle.server_fingerprint, turn_id=secrets.token_bytes(16),
+            pending_turn_id=pending.turn_id, reserve_tokens=1))
+        stream.close()  # no commit: the probe changes nothing
         if opened.pending_committed and opened.version == pending.version:
             self.version, self.cache = pending.version, pending.cache
             self.history_ids, self.messages = pending.history_ids, pending.messages
             self.last_result = pending.result
         self.pending_commit = None
 
-    def _rewind(self, target_ids: list[int], sink_tokens: int) -> tuple[int, int]:
-        """(tokens of the history this turn keeps, cache positions it drops first).
+    def rewind(self, target_ids: list[int], sink_tokens: int) -> tuple[int, int]:
+        """(tokens of the history a turn for `target_ids` keeps, cache positions it drops first).
 
         Normally the turn keeps the longest common prefix of the history and the new transcript and
         drops the cache's tail after it. But once the window has evicted tokens, the cache holds the

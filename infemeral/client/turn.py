@@ -10,8 +10,15 @@ CLI, raw completion, the OpenAI endpoint):
         turn.commit()
 
 Leaving the `with` block without a commit rolls both caches back (the server
-drops an uncommitted turn by itself); a commit whose reply was lost is kept as
-a `PendingCommit` for the next turn to settle.
+drops an uncommitted turn by itself): the client's cache returns to exactly the
+committed state, even when the turn dropped or the window evicted committed
+positions (the turn copies the committed cache before it first rewrites it). A
+commit whose reply was lost is kept as a `PendingCommit` for the next turn to
+settle.
+
+Opening a turn is retried while the server answers RESOURCE_EXHAUSTED with a
+`retry-after-ms` hint, within the client's timeout: nothing has been sent
+then but the request to open. Once a turn has started, nothing is retried.
 
 Decoding sends the last sampled token plus up to k drafted tokens per step and
 asks for all their outputs (DESIGN.md §9): one round trip verifies the drafts,
@@ -22,6 +29,7 @@ same flight as the next step, so a rejection costs no extra round trip.
 
 from __future__ import annotations
 
+import logging
 import queue
 import secrets
 import time
@@ -32,14 +40,19 @@ import torch
 
 from infemeral.client.drafting import DraftSource
 from infemeral.client.keepalive import KeepAlive
-from infemeral.client.pending import PendingCommit
+from infemeral.client.pending import PendingCommit, committed_copy
 from infemeral.client.result import TurnResult
 from infemeral.client.sampling import Sampler, SamplingParams
 from infemeral.client.speculation import accept_drafts
-from infemeral.errors import Aborted, StatusError, from_rpc_error
+from infemeral.errors import Aborted, ResourceExhausted, StatusError, from_rpc_error
+from infemeral.kvcache.cache import KVCache
 from infemeral.kvcache.window import WindowPolicy, apply_window
 from infemeral.protocol import pb
 from infemeral.protocol.tensors import from_proto, to_proto
+
+log = logging.getLogger(__name__)
+RETRY_AFTER_KEY = "retry-after-ms"  # the server's hint on RESOURCE_EXHAUSTED (infemeral.server.turn_call)
+MIN_RETRY_WAIT = 0.05  # seconds
 
 
 class TurnStream:
@@ -62,7 +75,7 @@ class TurnStream:
         try:
             response = next(self._responses)
         except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
+            raise status_error(e) from None
         except StopIteration:
             raise StatusError("server ended the turn unexpectedly") from None
         kind = response.WhichOneof("kind")
@@ -87,41 +100,137 @@ class TurnStream:
         self._responses.cancel()
 
 
+def status_error(e: grpc.RpcError) -> StatusError:
+    """The StatusError of a failed call. RESOURCE_EXHAUSTED carries the server's `retry-after-ms` hint as
+    `retry_after` in seconds, or None where the server gave none (a limit that waiting will not lift)."""
+    error = from_rpc_error(e)
+    if isinstance(error, ResourceExhausted):
+        error.retry_after = None
+        metadata = e.trailing_metadata() if hasattr(e, "trailing_metadata") else None
+        for key, value in metadata or ():
+            if key == RETRY_AFTER_KEY:
+                try:
+                    error.retry_after = max(int(value), 0) / 1000
+                except ValueError:
+                    pass
+    return error
+
+
+def open_turn(client, request: pb.OpenTurn) -> tuple[TurnStream, pb.Opened]:
+    """Open a Turn stream: the stream and the server's `opened` reply.
+
+    While the server is at a limit (RESOURCE_EXHAUSTED with a retry hint) wait as it says and try again,
+    until the client's timeout would pass: the open is all that was sent, so trying again repeats nothing."""
+    deadline = time.monotonic() + client.timeout
+    while True:
+        stream = TurnStream(client)
+        try:
+            return stream, stream.call(pb.TurnRequest(open=request), "opened")
+        except ResourceExhausted as e:
+            stream.close()
+            if e.retry_after is None or time.monotonic() + e.retry_after > deadline:
+                raise
+            log.info("server is at a limit; opening the turn again in %.2f s", e.retry_after)
+            time.sleep(max(e.retry_after, MIN_RETRY_WAIT))
+        except BaseException:
+            stream.close()
+            raise
+
+
 class TextStream:
     """The answer's text as its tokens arrive: cut at the first stop string, and held back while it
-    could still become one, or while it ends in half a character."""
+    could still become one, or while it ends in half a character.
+
+    Each token costs a bounded amount of work, however long the answer: only the newest tokens are
+    decoded (with a few before them as context, as a detokenizer must: a piece's leading space, a
+    character split over tokens), stop strings are looked for only where a new one can be, and text is
+    kept in pieces. The output is the same as decoding the whole answer at every token. A tokenizer that
+    cleans up spaces when it decodes (which can change text already decoded) is decoded whole each time."""
 
     def __init__(self, tokenizer, stop: list[str]):
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
-        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.longest_stop = max((len(s) for s in self.stop), default=1)
+        self.hold = self.longest_stop - 1
         self.token_ids: list[int] = []
-        self.text = ""
-        self.emitted = ""
         self.is_stopped = False
+        self._is_whole = bool(getattr(tokenizer, "clean_up_tokenization_spaces", False))
+        # token_ids[:_read] decode to whole characters: the settled text. Of it, `_pieces` hold what no stop
+        # search or emission reads again, and `_recent` (from text index `_recent_at`) the rest.
+        # token_ids[_context:_read] are decoded again with newer tokens as their context.
+        self._pieces: list[str] = []
+        self._recent, self._recent_at = "", 0
+        self._context = self._read = 0
+        self._view = ""  # the text from `_recent_at` as of the last token (cut at a stop string)
+        self._emitted = 0  # characters shown so far
+
+    @property
+    def text(self) -> str:
+        """The answer's text so far (cut at a stop string)."""
+        return "".join(self._pieces) + self._view
 
     def push(self, token: int) -> str:
         """Add a token; return the text that is now safe to show (possibly nothing)."""
         self.token_ids.append(token)
-        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
-        hits = [text.find(s) for s in self.stop if s in text]
+        known = self._recent_at + len(self._recent)  # settled text: no stop string lies wholly in it
+        tail = self._decode_tail()
+        if tail is None:  # the decoder changed text it gave before (invalid bytes): begin again from the whole
+            known, tail = 0, self._start_over()
+        view = self._recent + tail
+        search_from = max(known - self.longest_stop + 1 - self._recent_at, 0)
+        hits = [i for i in (view.find(s, search_from) for s in self.stop) if i >= 0]
         if hits:
-            text, self.is_stopped = text[:min(hits)], True
-        self.text = text
+            view, self.is_stopped = view[:min(hits)], True
+        self._view = view
+        if not (self._is_whole or self.is_stopped) and tail and not tail.endswith("\ufffd"):  # whole characters
+            self._recent += tail
+            self._context, self._read = self._read, len(self.token_ids)
+        length = self._recent_at + len(view)
         if self.is_stopped:
-            return self._emit(text)
-        ready = text[:max(len(self.emitted), len(text) - self.hold)]
-        return "" if ready.endswith("\ufffd") else self._emit(ready)
+            delta = self._emit(length)
+        else:
+            ready = max(self._emitted, length - self.hold)
+            is_half = ready > self._emitted and view[ready - 1 - self._recent_at] == "\ufffd"  # half a character
+            delta = "" if is_half else self._emit(ready)
+        self._forget_read_text()
+        return delta
 
     def flush(self) -> str:
         """Whatever was held back, at the end of the answer."""
-        return self._emit(self.text)
+        return self._emit(self._recent_at + len(self._view))
 
-    def _emit(self, ready: str) -> str:
-        if len(ready) <= len(self.emitted):
+    def _decode_tail(self) -> str | None:
+        """The text of token_ids[_read:] (it may end in half a character); None if decoding it with its
+        context changed the context's own text (a byte-fallback decoder meeting an invalid byte sequence)."""
+        decode = self.tokenizer.decode
+        if self._is_whole:
+            return decode(self.token_ids, skip_special_tokens=True)
+        context = decode(self.token_ids[self._context:self._read], skip_special_tokens=True)
+        text = decode(self.token_ids[self._context:], skip_special_tokens=True)
+        return text[len(context):] if text.startswith(context) else None
+
+    def _start_over(self) -> str:
+        """Forget the settled text; the whole answer's text, as the new tail."""
+        self._pieces, self._recent, self._recent_at = [], "", 0
+        self._context = self._read = 0
+        return self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+
+    def _emit(self, end: int) -> str:
+        """The text from what was shown up to index `end` (nothing if that is not further)."""
+        if end <= self._emitted:
             return ""
-        delta, self.emitted = ready[len(self.emitted):], ready
+        delta = self._view[self._emitted - self._recent_at:end - self._recent_at]
+        self._emitted = end
         return delta
+
+    def _forget_read_text(self) -> None:
+        """Move settled text that neither a stop search nor an emission reads again out of `_recent`."""
+        settled = self._recent_at + len(self._recent)
+        keep_from = min(self._emitted, settled - self.longest_stop + 1)
+        if keep_from - self._recent_at > 256:  # in chunks: each move copies what stays
+            cut = keep_from - self._recent_at
+            self._pieces.append(self._recent[:cut])
+            self._recent, self._view, self._recent_at = self._recent[cut:], self._view[cut:], keep_from
 
 
 class TurnLoop:
@@ -136,7 +245,7 @@ class TurnLoop:
         self.session, self.client = session, session.client
         self.model = self.client.model
         self.messages, self.params = messages, params
-        self.render = render or session._render
+        self.render = render or session.render
         self.is_whole_transcript = is_whole_transcript
         self.result = TurnResult()
         self.turn_id = secrets.token_bytes(16)
@@ -147,22 +256,22 @@ class TurnLoop:
         self.fed: list[int] = []      # what the caches hold (with what the window evicted), client-side only
         self.generated: list[int] = []
         self.is_commit_sent = self.is_committed = False
-        self._undo = None             # a copy of the committed local cache, taken before it is first rewritten
+        self._committed: KVCache | None = None  # the committed local cache, copied before it is first rewritten
         self._pending_drop = 0        # positions dropped here whose Truncate goes out with the next message
         self._has_lock = False
 
     # -- open and close ------------------------------------------------------------------------------
     def __enter__(self) -> "TurnLoop":
-        if not self.session._busy.acquire(blocking=False):
-            raise Aborted("this session is already running a turn")
+        session = self.session
+        session.claim()
         self._has_lock = True
         try:
-            if self.session.pending_commit is not None:
-                self.session._settle_pending()
+            if session.pending_commit is not None:
+                session.settle_pending()
                 if not self.is_whole_transcript:  # the new message, on the settled transcript
-                    self.messages = self.session.messages + self.messages[-1:]
+                    self.messages = session.messages + self.messages[-1:]
             self.target_ids = self.render(self.messages)
-            self.source = self.client.draft_source(self.params.speculate)
+            self.source = session.draft_source(self.params.speculate)
             self.draft_length.max_draft = self.params.max_draft if self.source is not None else 0
             self._open()
         except BaseException:
@@ -175,20 +284,19 @@ class TurnLoop:
         self.info = info = client.server_info()
         self.wire = client.wire_dtype
         self.window = WindowPolicy(info.max_context, info.sink_tokens, info.page_size or 1, enabled=info.window)
-        keep, drop = session._rewind(self.target_ids, info.sink_tokens)
+        keep, drop = session.rewind(self.target_ids, info.sink_tokens)
         self.new_prompt = self.target_ids[keep:]
         self.result.truncated_tokens, self.result.prompt_tokens = drop, len(self.new_prompt)
         slack = self.draft_length.max_draft  # drafts occupy pages until they are verified
-        self.stream = TurnStream(client)
-        opened = self.stream.call(pb.TurnRequest(open=pb.OpenTurn(
+        self.stream, opened = open_turn(client, pb.OpenTurn(
             session_id=session.id, session_key=session.key, expected_version=session.version,
             bundle_fingerprint=client.bundle.server_fingerprint, turn_id=self.turn_id,
-            reserve_tokens=len(self.new_prompt) + self.params.max_new_tokens + slack)), "opened")
+            reserve_tokens=len(self.new_prompt) + self.params.max_new_tokens + slack))
         if opened.cache_length != session.cache.length:
             raise Aborted(f"server holds {opened.cache_length} tokens for this session but the client holds "
                           f"{session.cache.length}; the session file is out of date")
         if drop:
-            self._keep_undo()
+            self._keep_committed()
             self.stream.call(pb.TurnRequest(truncate=pb.Truncate(tokens=drop, cache_length=session.cache.length)),
                              "truncated")
             session.cache.truncate(drop)
@@ -203,14 +311,14 @@ class TurnLoop:
                 session.pending_commit = PendingCommit.of_turn(
                     self.turn_id, session.version + 1, session.cache, self.fed, self._transcript(), self.result)
             if not self.is_committed:
-                if self._undo is not None:
-                    session.cache = self._undo
-                else:
+                if self._committed is not None:  # committed positions were dropped or moved: the copy has them
+                    session.cache = self._committed
+                else:  # only positions past the committed ones were written
                     session.cache.rollback()
         finally:
             if self._has_lock:
                 self._has_lock = False
-                session._busy.release()
+                session.release()
         return False
 
     # -- the phases --------------------------------------------------------------------------------
@@ -309,7 +417,7 @@ class TurnLoop:
         before = cache.length
         evict = window.tokens_to_evict(before, len(ids))
         if evict:
-            self._keep_undo()
+            self._keep_committed()
             apply_window(cache, window, len(ids), model.inv_freq)
             self.result.evicted_tokens += evict
         hidden = model.cloak(ids, cache).to(self.wire)
@@ -358,8 +466,7 @@ class TurnLoop:
         session.history_ids = self.fed
         session.messages = self._transcript()
         session.last_result = r
-        if self.client.answer_index is not None and self.generated:
-            self.client.answer_index.add(self.generated)
+        self._remember_answer()
         return r
 
     # -- helpers -------------------------------------------------------------------------------------
@@ -368,6 +475,21 @@ class TurnLoop:
             return []
         return self.messages + [{"role": "assistant", "content": self.result.text}]
 
-    def _keep_undo(self) -> None:
-        if self._undo is None:
-            self._undo = self.session.cache.clone()
+    def _keep_committed(self) -> None:
+        """Before the turn first drops or moves committed positions (a truncation, an eviction): copy the
+        committed cache, which a turn that does not commit restores."""
+        if self._committed is None:
+            cache = self.session.cache
+            self._committed = committed_copy(cache, cache.committed_length)
+
+    def _remember_answer(self) -> None:
+        """Add the committed answer to the answer index. The turn has succeeded whatever the index does:
+        a failure to remember is logged, never raised."""
+        index = self.client.answer_index
+        if index is None or not self.generated:
+            return
+        try:
+            index.add(self.generated)
+        except Exception as e:
+            log.warning("the answer index could not keep this answer (%s: %s); the turn is committed",
+                        type(e).__name__, e)
