@@ -23,14 +23,33 @@ API_KEY_HEADER = "x-api-key"
 OPEN_METHODS_PREFIX = "/grpc.health.v1.Health/"
 
 
-def is_loopback(address: str) -> bool:
-    host = address.rsplit(":", 1)[0].strip("[]")
-    if host in ("localhost", ""):
-        return host == "localhost"
+def is_loopback(host: str) -> bool:
+    """Whether `host` (a name or an IP address, IPv6 with or without brackets; no port) is this machine's
+    loopback: `localhost`, an address in 127.0.0.0/8, or ::1. Use `host_of` on a `host:port` address."""
+    host = host.strip().strip("[]").rstrip(".").lower()
+    if host == "localhost":
+        return True
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def split_host_port(address: str) -> tuple[str, str]:
+    """(host, port) of `host:port`, `[v6]:port`, `host`, `[v6]` or a bare IPv6 address, brackets removed;
+    the port is '' when there is none. Nothing is validated: a caller that needs a number checks it."""
+    if address.startswith("["):
+        host, _, rest = address[1:].partition("]")
+        return host, rest[1:] if rest.startswith(":") else rest
+    host, sep, port = address.rpartition(":")
+    if not sep or ":" in host:  # no port, or an IPv6 address without brackets
+        return address, ""
+    return host, port
+
+
+def host_of(address: str) -> str:
+    """The host of a `host:port` address (see `split_host_port`)."""
+    return split_host_port(address)[0]
 
 
 def read_api_keys(inline: str, file: Path | None) -> list[str]:
@@ -77,6 +96,9 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
+
+        method = handler_call_details.method.rsplit("/", 1)[-1]
+        log.warning("call refused method=%s status=UNAUTHENTICATED", method)  # never the key that was sent
 
         async def deny(request_or_iterator, context):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key; set INFEMERAL_API_KEY")
@@ -128,7 +150,7 @@ def client_channel(address: str, *, tls_ca: Path | None = None, client_cert: Pat
             options.append(("grpc.ssl_target_name_override", server_name))
         channel = grpc.secure_channel(address, creds, options=options)
     else:
-        if not is_loopback(address):
+        if not is_loopback(host_of(address)):
             log.warning("connecting to %s without TLS: hidden states and the session key travel in the clear; "
                         "set INFEMERAL_TLS_CA", address)
         channel = grpc.insecure_channel(address, options=options)

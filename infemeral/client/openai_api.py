@@ -16,6 +16,9 @@ never prompts or answers.
     GET  /v1/models              the one model, named after the client bundle
     POST /v1/chat/completions    chat, streaming (server-sent events) or not
     POST /v1/completions         raw text completion, no chat template
+
+Before any route, a request must be addressed to an allowed host name and carry
+a body within the cap (`RequestGuard`).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import hmac
 import json
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -50,19 +53,33 @@ from infemeral.client.openai_schema import (
 from infemeral.client.sampling import SamplingParams
 from infemeral.client.session_pool import SessionPool
 from infemeral.errors import Aborted, DataLoss, InfemeralError, NoChatTemplate, NotFound, StatusError
+from infemeral.transport import is_loopback, split_host_port
 
 log = logging.getLogger(__name__)
 
-# A reused session whose stored state is gone or refused: the request is retried once on a fresh session.
-STALE_SESSION = (NotFound, DataLoss, Aborted)
+# How the server refuses a session whose stored version is not the one the client holds (kvcache/persistence.py):
+# it moved on, or an older copy was restored. The pooled copy can never continue that state again.
+OUT_OF_DATE = "but the client expects version"
 
 HTTP_STATUS = {  # gRPC status of an infemeral error -> (HTTP status, OpenAI error type)
     "INVALID_ARGUMENT": (400, "invalid_request_error"),
     "OUT_OF_RANGE": (400, "invalid_request_error"),
+    "ABORTED": (409, "conflict_error"),
     "RESOURCE_EXHAUSTED": (429, "rate_limit_error"),
     "UNAVAILABLE": (503, "server_error"),
     "DEADLINE_EXCEEDED": (504, "server_error"),
 }
+
+
+def session_is_gone(e: Exception) -> bool:
+    """Whether a turn failed because the session's stored state is gone (expired, deleted: NOT_FOUND), damaged
+    (DATA_LOSS) or out of date (the server holds another version). Only then is a pooled session dropped and
+    the request started over on a new one. Any other refusal (ABORTED for a session still in a turn, a busy
+    lock, a disagreement about the cache) leaves the committed state as it was: the session stays pooled and
+    the request fails with 409, since dropping the session would delete a conversation the server still holds."""
+    if isinstance(e, (NotFound, DataLoss)):
+        return True
+    return isinstance(e, Aborted) and OUT_OF_DATE in str(e)
 
 
 def bundle_model_name(client_bundle: str | Path) -> str:
@@ -84,14 +101,16 @@ class Answer:
 
     def first(self) -> str | None:
         """Open the turn; its first text (None if the answer is empty). A reused session whose stored state
-        is gone (expired, deleted, out of date) is dropped and the request starts over on a new one."""
+        is gone (`session_is_gone`) is dropped and the request starts over, once, on a new one."""
         for attempt in range(2):
             self.session = self.pool.acquire(self.prompt_ids)
             had_state = bool(self.session.version)
             self._deltas = self.start(self.session)
             try:
                 return next(self._deltas, None)
-            except STALE_SESSION as e:
+            except StatusError as e:
+                if not session_is_gone(e):
+                    raise  # the session keeps its committed state; close() gives it back to the pool
                 self.pool.discard(self.session)
                 self.session = self._deltas = None
                 if attempt or not had_state:
@@ -274,16 +293,107 @@ def to_request_error(e: Exception) -> RequestError:
         message = str(e)
         if name == "UNAVAILABLE":
             message = f"the infemeral server is unreachable or unavailable: {e}"
+        elif name == "ABORTED":
+            message = (f"the turn was aborted and nothing was committed; the conversation is as it was, so the "
+                       f"request can be sent again: {e}")
         elif name in ("UNAUTHENTICATED", "PERMISSION_DENIED"):
             message = f"the infemeral server refused this endpoint (check INFEMERAL_API_KEY and TLS settings): {e}"
-        headers = {"Retry-After": "1"} if status in (429, 503) else None
+        headers = {"Retry-After": "1"} if status in (409, 429, 503) else None
         return RequestError(status, message, type=kind, code=name.lower(), headers=headers)
     return RequestError(500, str(e), type="server_error", code="internal_error")
 
 
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+MAX_BODY_BYTES = 4 * 2**20
+
+
+class RequestGuard:
+    """What every request passes before a route sees it (DESIGN.md §12): it is addressed to an allowed host
+    name, and its body fits the cap.
+
+    A loopback endpoint without a key is still reachable from any web page the user opens: the page points
+    its own name at 127.0.0.1 (DNS rebinding) and the browser then sends it requests here, with that name in
+    `Host`. Answering only loopback names, and the names the user allowed, refuses them. The body is read
+    here up to the cap and handed on whole: a declared length over it is refused before anything is read,
+    and an undeclared (chunked) one as soon as the bytes received pass it."""
+
+    def __init__(self, app, allowed_hosts: Iterable[str] = (), max_body_bytes: int = MAX_BODY_BYTES):
+        self.app, self.max_body_bytes = app, max_body_bytes
+        names = {split_host_port(h.strip())[0].rstrip(".").lower() for h in allowed_hosts if h.strip()}
+        self.any_host = "*" in names
+        self.suffixes = tuple(n[1:] for n in names if n.startswith("*."))  # "*.example.com" -> ".example.com"
+        self.names = {n for n in names if not n.startswith("*")}
+
+    def allows(self, host_header: str) -> bool:
+        host, port = split_host_port(host_header)
+        host = host.rstrip(".").lower()
+        if not host or (port and not port.isdigit()):
+            return False
+        return self.any_host or is_loopback(host) or host in self.names or host.endswith(self.suffixes)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.lower(): v for k, v in scope.get("headers", ())}
+        failure = self._check_host(headers.get(b"host", b"").decode("latin-1"))
+        body = b""
+        if failure is None:
+            body, failure = await self._read_body(headers.get(b"content-length"), receive)
+        if failure is not None:
+            response = JSONResponse(failure.body(), status_code=failure.status, headers=failure.headers)
+            await response(scope, receive, send)
+            return
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()  # the client going away, while the answer streams
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    def _check_host(self, host: str) -> RequestError | None:
+        if self.allows(host):
+            return None
+        shown = f"Host {host[:100]!r}" if host else "A request without a Host header"
+        name = split_host_port(host)[0] or "NAME"
+        return RequestError(403, f"{shown} is not allowed: this endpoint answers only requests addressed to "
+                                 f"{', '.join(LOOPBACK_NAMES)} or a name it was given, so that a web page cannot "
+                                 f"reach it through DNS rebinding. To accept this name, start it with "
+                                 f"`infemeral-client serve --allowed-hosts {name[:100]}` (or "
+                                 "INFEMERAL_SERVE_ALLOWED_HOSTS; '*' accepts any).", code="host_not_allowed")
+
+    async def _read_body(self, declared: bytes | None, receive) -> tuple[bytes, RequestError | None]:
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_body_bytes):
+            return b"", self._too_large() if declared.isdigit() else RequestError(400, "invalid Content-Length")
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left before sending the whole body
+                return b"", RequestError(400, "the request body was not received whole")
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                return b"", self._too_large()
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks), None
+
+    def _too_large(self) -> RequestError:
+        return RequestError(413, f"The request body is larger than this endpoint accepts ({self.max_body_bytes} "
+                                 "bytes). Raise the cap with `infemeral-client serve --max-body-bytes N` (or "
+                                 "INFEMERAL_SERVE_MAX_BODY_BYTES).", code="request_too_large")
+
+
 def create_app(pool: SessionPool, model_name: str, *, api_key: str | None = None,
-               defaults: SamplingParams | None = None) -> FastAPI:
-    """The endpoint as an ASGI app; serve it with uvicorn. `api_key`: the key HTTP clients must send."""
+               defaults: SamplingParams | None = None, allowed_hosts: Iterable[str] = (),
+               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """The endpoint as an ASGI app; serve it with uvicorn. `api_key`: the key HTTP clients must send;
+    `allowed_hosts`: host names requests may be addressed to besides loopback ('*': any);
+    `max_body_bytes`: the largest request body accepted (see `RequestGuard`)."""
     endpoint = OpenAIEndpoint(pool, model_name, defaults or SamplingParams())
 
     @asynccontextmanager
@@ -294,6 +404,7 @@ def create_app(pool: SessionPool, model_name: str, *, api_key: str | None = None
     app = FastAPI(title="infemeral", version="1", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.endpoint = endpoint
+    app.add_middleware(RequestGuard, allowed_hosts=allowed_hosts, max_body_bytes=max_body_bytes)
 
     def authorize(request: Request) -> None:
         if api_key is None:

@@ -13,7 +13,9 @@ import secrets
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from infemeral.client.sampling import SEED_MAX, SEED_MIN
 
 
 class RequestError(Exception):
@@ -30,15 +32,35 @@ class RequestError(Exception):
 
 
 # -- requests -----------------------------------------------------------------------------------------
+MAX_TOKENS = 2**63 - 1  # any answer length a tool may send for "no limit"; the turn declares it as a uint64
+
+
+def lone_surrogate(value, path: str = "") -> str | None:
+    """Where in a JSON value a string holds a lone surrogate (JSON may escape one, `"\\udcff"`, but it is no
+    text: nothing can encode it), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "body"
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = lone_surrogate(key, path) or lone_surrogate(item, f"{path}.{key}" if path else str(key))
+        if found:
+            return found
+    return None
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, ge=0, le=1)
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     n: int | None = Field(None, ge=1)
     stream: bool | None = False
     stream_options: dict | None = None
@@ -48,6 +70,15 @@ class _Request(BaseModel):
     # not in OpenAI's API, but sent by tools written for vLLM / llama.cpp servers
     top_k: int | None = Field(None, ge=0)
     repetition_penalty: float | None = Field(None, gt=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data):
+        where = lone_surrogate(data)
+        if where:
+            raise RequestError(400, f"{where}: not valid Unicode text (a lone surrogate such as \\udcff)",
+                               param=where)
+        return data
 
     def refuse_unsupported(self) -> None:
         if self.n not in (None, 1):
@@ -103,7 +134,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[Any] | None = None

@@ -3,7 +3,9 @@
 The endpoint holds the conversations in plain text and the session keys, so it
 listens on loopback by default. Anyone who can reach it can read and write
 conversations through it: a non-loopback address is refused without an API
-key, and even with one it is plain HTTP, so say so loudly.
+key, and even with one it is plain HTTP, so say so loudly. Whatever the
+address, requests must name an allowed host (loopback names, the --host
+itself, --allowed-hosts): a web page cannot drive it through DNS rebinding.
 """
 
 from __future__ import annotations
@@ -13,18 +15,36 @@ import logging
 import sys
 from collections.abc import Callable
 
-from infemeral.client.openai_api import bundle_model_name, create_app
+from infemeral.client.openai_api import LOOPBACK_NAMES, bundle_model_name, create_app
 from infemeral.client.session_pool import SessionPool
 from infemeral.errors import FailedPrecondition, InfemeralError, StatusError
+from infemeral.transport import is_loopback
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
+def is_wildcard(host: str) -> bool:
+    """Whether `host` listens on every interface (0.0.0.0, ::): it names no one host clients would use."""
     try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
+        return ipaddress.ip_address(host.strip("[]")).is_unspecified
     except ValueError:
-        return False
+        return host == ""
+
+
+def allowed_hosts(host: str, allowed: list[str]) -> list[str]:
+    """The host names requests may be addressed to besides loopback: `allowed` (--allowed-hosts), and the
+    listen address itself when it is neither loopback nor a wildcard (clients then reach it by that name)."""
+    names = list(allowed)
+    if not is_loopback(host) and not is_wildcard(host) and host.strip("[]") not in names:
+        names.append(host.strip("[]"))
+    return names
+
+
+def check_hosts(host: str, allowed: list[str]) -> None:
+    """On a wildcard address only loopback names are answered until the machine's names are given: say so."""
+    if is_wildcard(host) and not allowed:
+        print(f"note: listening on every interface, but answering only requests addressed to "
+              f"{', '.join(LOOPBACK_NAMES)}: name this machine as clients reach it with --allowed-hosts "
+              "(e.g. --allowed-hosts 192.168.1.20,mybox.lan; '*' answers any name), or requests from other "
+              "machines are refused with 403", file=sys.stderr)
 
 
 def check_exposure(host: str, api_key: str | None) -> None:
@@ -61,15 +81,19 @@ def serve(settings, open_client: Callable[[], object], sampling: Callable[[objec
     import uvicorn
 
     check_exposure(settings.host, settings.api_key)
+    hosts = allowed_hosts(settings.host, settings.allowed_hosts)
+    check_hosts(settings.host, hosts)
     with open_client() as client:
         check_server(client)
         name = settings.model_name or bundle_model_name(client.bundle.directory)
         pool = SessionPool(client, max_sessions=settings.max_sessions)
-        app = create_app(pool, name, api_key=settings.api_key, defaults=sampling(client))
+        app = create_app(pool, name, api_key=settings.api_key, defaults=sampling(client), allowed_hosts=hosts,
+                         max_body_bytes=settings.max_body_bytes)
         logging.getLogger("infemeral").setLevel(logging.INFO)
         host = f"[{settings.host}]" if ":" in settings.host else settings.host
         print(f"OpenAI-compatible endpoint: http://{host}:{settings.port}/v1 (model {name!r}), forwarding to "
-              f"{server_address}; API key {'required' if settings.api_key else 'not required (loopback only)'}",
+              f"{server_address}; API key {'required' if settings.api_key else 'not required (loopback only)'}"
+              f"{'; also answers to Host ' + ', '.join(hosts) if hosts else ''}",
               file=sys.stderr, flush=True)
         uvicorn.run(app, host=settings.host, port=settings.port, log_level="info", timeout_graceful_shutdown=30)
     return 0
