@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 DATA_HOME = Path.home() / ".local" / "share" / "infemeral"
 
@@ -33,7 +33,19 @@ class ServerSettings(BaseSettings):
     max_batch_tokens: int = Field(8192, ge=1, description="most tokens one batched forward pass may carry")
     admission_wait: float = Field(10.0, ge=0, description="seconds a new turn waits for its KV page quota (and a "
                                                           "step past its quota for spare pages) before "
-                                                          "RESOURCE_EXHAUSTED")
+                                                          "RESOURCE_EXHAUSTED; at most half of max_sessions wait "
+                                                          "at once, more are refused at once")
+    default_reserve_tokens: int = Field(512, ge=1, description="tokens a turn that declares no reserve_tokens may "
+                                                               "add within its KV page quota (past it, it grows "
+                                                               "only into spare pages); the SDK always declares")
+    max_sessions_per_key: int = Field(0, ge=0, description="most turns one API key may have open at once; more are "
+                                                           "refused at once with RESOURCE_EXHAUSTED (0: half of "
+                                                           "max_sessions when more than one API key is set, else no "
+                                                           "limit; no API keys: no limit)")
+    kv_pool_share_per_key: float = Field(0.0, ge=0, le=1, description="share of the KV pool the turns of one API key "
+                                                                      "may hold, at least one max_context (0: half "
+                                                                      "when more than one API key is set, else all; "
+                                                                      "no API keys: all)")
     attention_backend: str = Field("auto", description="auto, torch or flashinfer (auto: FlashInfer on CUDA "
                                                        "when installed)")
     max_batch_hold: float = Field(0.0, ge=0, description="seconds a forward pass may wait for sessions about to "
@@ -63,18 +75,31 @@ class ServerSettings(BaseSettings):
     metrics_host: str = Field("127.0.0.1", description="address the metrics endpoint binds to")
     log_format: str = Field("text", description="text or json")
 
-    def engine_config(self):
+    def limits_per_key(self, num_api_keys: int) -> tuple[int, float]:
+        """(turns, share of the KV pool) one API key may hold, given how many keys the server accepts:
+        (0, 1.0), no limit, without keys (there is nothing to tell clients apart by: behind a proxy they share
+        an address); half of each by default when there are several keys."""
+        if num_api_keys == 0:
+            return 0, 1.0
+        several = num_api_keys > 1
+        sessions = self.max_sessions_per_key or (max(1, self.max_sessions // 2) if several else 0)
+        share = self.kv_pool_share_per_key or (0.5 if several else 1.0)
+        return sessions, share
+
+    def engine_config(self, num_api_keys: int = 0):
         """The engine's part of these settings, as one frozen `EngineConfig`."""
         from infemeral.kvcache.window import WindowPolicy
         from infemeral.server.config import EngineConfig
 
+        sessions_per_key, share_per_key = self.limits_per_key(num_api_keys)
         return EngineConfig(device=self.device, dtype=self.dtype, max_step_tokens=self.max_step_tokens,
                             max_sessions=self.max_sessions,
                             window=WindowPolicy(self.max_context, self.sink_tokens, self.page_size,
                                                 enabled=self.window),
                             kv_pool_tokens=self.kv_pool_tokens, max_batch_tokens=self.max_batch_tokens,
                             admission_wait=self.admission_wait, attention_backend=self.attention_backend,
-                            max_batch_hold=self.max_batch_hold)
+                            max_batch_hold=self.max_batch_hold, default_reserve_tokens=self.default_reserve_tokens,
+                            max_sessions_per_key=sessions_per_key, kv_pool_share_per_key=share_per_key)
 
 
 class ClientSettings(BaseSettings):
@@ -144,3 +169,17 @@ class ServeSettings(BaseSettings):
                                                      "bundle's directory name)")
     max_sessions: int = Field(8, ge=1, description="live sessions kept for reuse; the least recently used "
                                                    "beyond this are deleted on the server")
+    allowed_hosts: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="host names requests may be addressed to besides localhost, 127.0.0.0/8 and ::1, comma-separated "
+                    "('*': any; '*.example.com': its subdomains); a non-loopback --host is always allowed. Stops a "
+                    "web page from reaching the endpoint by DNS rebinding")
+    max_body_bytes: int = Field(4 * 2**20, ge=1, description="largest request body accepted (bytes); a larger one is "
+                                                             "answered 413 and never read whole")
+
+    @field_validator("allowed_hosts", mode="before")
+    @classmethod
+    def _split_hosts(cls, value):
+        if isinstance(value, str):
+            value = value.split(",")
+        return [h.strip() for h in value if h.strip()]

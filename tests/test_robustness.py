@@ -2,7 +2,9 @@
 
 After each failure the stored session is byte-for-byte at its last committed
 version, and the session resumes from there (through the SDK, from a saved
-session file where the client process died). SIGTERM shuts the server down
+session file where the client process died). A client that goes away while
+its session is still loading leaves no page behind: the close waits for the
+load, then wipes. SIGTERM shuts the server down
 gracefully: an open turn may finish, then the process exits with code 0.
 """
 
@@ -27,6 +29,7 @@ from infemeral.client.sampling import SamplingParams
 from infemeral.client.sdk import Client
 from infemeral.errors import StatusError
 from infemeral.kvcache.cache import KVCache
+from infemeral.kvcache.paged import PagedSequence
 from infemeral.protocol import pb, pb_grpc
 from infemeral.protocol.tensors import to_proto
 
@@ -90,6 +93,61 @@ def test_cancelled_turn_changes_nothing(server, client, when):
     # ...and nothing of it was stored.
     assert session.version == version and len(session.history_ids) == length
     assert_resumes(session, path, blob)
+
+
+def test_a_turn_cancelled_while_its_session_loads_is_closed_after_the_load(server, client, monkeypatch):
+    """The client goes away while the server still decrypts its session into pages. The close waits for that
+    load: a load left running after the close would write plaintext into pages the close had already given
+    back (or taken afresh from the pool, never to return)."""
+    session = client.new_session()
+    session.chat("Hello there.", SHORT)
+    path = blob_path(server.settings.store, session)
+    blob = path.read_bytes()
+    pool = server.engine.pool
+    loading, go_on = threading.Event(), threading.Event()
+    written: set[int] = set()
+    real_load = PagedSequence.load_layer
+
+    def slow_load(self, slot, keys, values):
+        if not loading.is_set():  # the first layer of the session's load: stall it until the client is gone
+            loading.set()
+            go_on.wait(30)
+        real_load(self, slot, keys, values)
+        written.update(self.pages)
+
+    monkeypatch.setattr(PagedSequence, "load_layer", slow_load)
+    loaded = threading.Event()
+    real_load_turn = server.engine.load_turn
+
+    def load_turn(turn, *args, **kwargs):
+        try:
+            return real_load_turn(turn, *args, **kwargs)
+        finally:
+            if turn.session_id == session.id:
+                loaded.set()
+
+    monkeypatch.setattr(server.engine, "load_turn", load_turn)
+    requests: queue.Queue = queue.Queue()
+    call = pb_grpc.InfemeralStub(client.channel).Turn(iter(requests.get, None), timeout=60)
+    requests.put(open_request(session, client.bundle.server_fingerprint))
+    try:
+        assert loading.wait(30)
+        call.cancel()
+        time.sleep(0.5)
+        assert in_turn(server, session)  # the close waits for the load...
+        other = client.new_session()  # ...while everyone else is served
+        assert other.chat("Hi!", SHORT).version == 1
+    finally:
+        go_on.set()
+    assert loaded.wait(30)
+    assert wait_until(lambda: not in_turn(server, session) and server.engine.active_turns == 0)
+    assert written  # the load did write its pages; the close wiped them, and every page is back
+    assert pool.free_pages == pool.num_pages and pool.promised_pages == 0
+    pages = torch.tensor(sorted(written))
+    assert all(not t[pages].any() for t in pool.k + pool.v), "a closed turn's pages still hold its keys/values"
+    monkeypatch.undo()
+    assert_resumes(session, path, blob)
+    assert other.chat("And again?", SHORT).version == 2
 
 
 CLIENT_SNIPPET = textwrap.dedent("""

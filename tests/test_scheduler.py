@@ -121,10 +121,13 @@ def test_a_step_of_a_turn_being_closed_does_not_start():
 
 
 def test_page_quota_of_a_turn():
-    _, _, scheduler = make()
+    _, clock, _ = make()
+    scheduler = Scheduler(WINDOW, torch.ones(1, dtype=torch.float64), 8, 1.0, clock, default_reserve_tokens=6)
     assert scheduler.quota_tokens(length=10, reserve_tokens=5) == 15
-    assert scheduler.quota_tokens(length=10, reserve_tokens=0) == WINDOW.max_context  # undeclared: a window
-    assert scheduler.quota_tokens(length=20, reserve_tokens=100) == WINDOW.max_context  # never past a window
+    assert scheduler.quota_tokens(length=10, reserve_tokens=0) == 16  # undeclared: a modest default, not a window
+    assert scheduler.quota_tokens(length=0, reserve_tokens=0) == 6
+    assert scheduler.quota_tokens(length=20, reserve_tokens=0) == WINDOW.max_context  # never past a window
+    assert scheduler.quota_tokens(length=20, reserve_tokens=100) == WINDOW.max_context
     assert scheduler.quota_tokens(length=0, reserve_tokens=1) == 1
 
 
@@ -194,3 +197,39 @@ def test_no_holding_for_far_away_turns_for_a_lone_session_or_when_turned_off():
         clock.now += 0.040
         lone.ran(lone.schedule().batch, 0.040)
         clock.now += 0.010
+
+
+def serve_turns(scheduler: Scheduler, clock: Clock, pool: PagePool, num_turns: int) -> None:
+    """Turns that open, step a few times, and close (the engine tells the scheduler as each one closes)."""
+    for _ in range(num_turns):
+        turns = [new_turn(pool, 8) for _ in range(2)]
+        for _ in range(3):
+            for t in turns:
+                scheduler.add(step(t, 1))
+            batch = scheduler.schedule().batch
+            clock.now += 0.040
+            scheduler.ran(batch, 0.040)
+            clock.now += 0.005
+        for t in turns:
+            t.cache.wipe()
+            scheduler.forget(t)
+
+
+def test_the_pacer_keeps_nothing_about_closed_turns():
+    """(Old code: with holding off, the default, one entry per turn ever served, never forgotten.)"""
+    pool, clock, scheduler = make(num_pages=64)  # holding off
+    for t in (new_turn(pool, 8), new_turn(pool, 8)):  # turns still open: nothing recorded either
+        scheduler.add(step(t, 1))
+        scheduler.ran(scheduler.schedule().batch, 0.040)
+    assert not scheduler.is_pacing and scheduler.pacer.num_known == 0
+    serve_turns(scheduler, clock, pool, 50)
+    assert scheduler.pacer.num_known == 0
+    held = Scheduler(WINDOW, torch.ones(1, dtype=torch.float64), 64, 1.0, clock, max_batch_hold=0.05)
+    assert held.is_pacing
+    open_turn = new_turn(pool, 8)
+    held.add(step(open_turn, 1))
+    held.ran(held.schedule().batch, 0.040)
+    serve_turns(held, clock, pool, 50)
+    assert held.pacer.num_known == 1  # only the turn still open
+    held.forget(open_turn)
+    assert held.pacer.num_known == 0

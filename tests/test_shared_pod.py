@@ -8,7 +8,11 @@ Against real servers with the default model:
   reader that pauses between streamed pieces keep their turns (the SDK's keep-alives);
 - a store whose lock release fails, and a real Redis killed and restarted: the next turn works without a
   server restart and the stored session is intact;
-- a step whose activations overflow is refused, nothing is stored, and the server serves on;
+- a step whose activations overflow is refused, nothing is stored, and the server serves on — also when
+  they overflow only in the dtype the answer is sent back in (float16 from a float32 server);
+- eight turns that declare no reserve_tokens do not take the KV pool from a normal generate;
+- with several API keys one key cannot take every turn slot, stream or the pool: past its share it is
+  refused at once with a retry hint while another key is served;
 - an address (or the metrics port) that cannot be bound whole stops the server with one line and exit
   code 2 before the model loads.
 """
@@ -167,8 +171,9 @@ def test_limits_refuse_at_once_with_a_retry_hint(small_pod, bundles):
         err, seconds = timed(RawTurn(c.channel).error)
         assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "limit of 4 turn streams" in err.details()
         assert seconds < 1 and retry_after_ms(err) > 0, (seconds, err.trailing_metadata())
-        with pytest.raises(StatusError) as info:  # the SDK reports the refusal as it came
-            c.new_session().chat("Hello?", ONE)
+        with Client(f"127.0.0.1:{srv.port}", bundles.client_dir, timeout=2) as impatient:
+            with pytest.raises(StatusError) as info:  # the SDK retries within its timeout, then reports it
+                impatient.new_session().chat("Hello?", ONE)
         assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     finally:
         for turn in held:
@@ -429,6 +434,102 @@ def test_overflowing_step_is_refused_and_changes_nothing(small_pod):
         assert wait_until(lambda: srv.engine.active_turns == 0) and pool_is_whole(srv)
     assert session.chat("Still fine?", SHORT).version == 2  # the session, and the server, carry on
     assert c.new_session().chat("Hi!", ONE).version == 1
+
+
+def test_answer_past_the_wire_dtype_is_refused_and_changes_nothing(server, client):
+    """float16 hidden states of 65504 to a float32 server: the layers' float32 answer is finite, but past
+    float16's range (old code: it went back as +Inf, and the turn committed)."""
+    session = client.new_session()
+    session.chat("Hello there.", SHORT)
+    path = StoredSession(server.settings.store, session.id)
+    blob = path.read_bytes()
+    turn = RawTurn(client.channel)
+    opened = turn.open(session.id, session.key, client.bundle.server_fingerprint, version=1)
+    huge = torch.full((4, client.model.hidden_size), 65504.0, dtype=torch.float16)
+    turn.send(pb.TurnRequest(step=pb.Step(hidden=to_proto(huge), cache_length=opened.cache_length)))
+    turn.send(pb.TurnRequest(commit=pb.Commit()))
+    err = turn.error()
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err.details()
+    assert "overflows to inf/NaN in float16, the dtype the step was sent in" in err.details()
+    assert "nothing was committed" in err.details()
+    assert path.read_bytes() == blob
+    assert wait_until(lambda: server.engine.active_turns == 0) and pool_is_whole(server)
+    assert session.chat("Still fine?", SHORT).version == 2  # the session, and the server, carry on
+    assert client.new_session().chat("Hi!", ONE).version == 1
+
+
+def test_undeclared_turns_cannot_starve_a_normal_generate(bundles, tmp_path):
+    """Eight raw turns that declare no reserve_tokens (old code: each was granted a whole 8,192-token window,
+    so together they held the default 65,536-token pool, and a generate beside them was refused)."""
+    srv = start_server(bundles, tmp_path / "store", admission_wait=1.0, verify_bundle=False)
+    c = Client(f"127.0.0.1:{srv.port}", bundles.client_dir, timeout=30)
+    held = [RawTurn(c.channel) for _ in range(8)]
+    try:
+        for turn in held:
+            assert turn.open(*new_ids(), c.bundle.server_fingerprint, reserve=0).version == 0
+        assert srv.engine.active_turns == 8
+        assert srv.engine.pool.spare_pages >= srv.engine.pool.num_pages // 2
+        result, seconds = timed(lambda: c.new_session().chat("Name a colour.", ONE))
+        assert result.version == 1 and seconds < 10, seconds
+    finally:
+        for turn in held:
+            turn.cancel()
+        c.close()
+        srv.stop(0)
+
+
+@pytest.fixture(scope="module")
+def keyed_pod(bundles, tmp_path_factory):
+    """Two API keys, four turn slots (two per key), a 4,096-token pool (2,048 per key: one window)."""
+    srv = start_server(bundles, tmp_path_factory.mktemp("keyed-store"), api_keys="key-a,key-b", max_sessions=4,
+                       kv_pool_tokens=4096, max_context=2048, admission_wait=1.0, verify_bundle=False)
+    clients = [Client(f"127.0.0.1:{srv.port}", bundles.client_dir, timeout=120, api_key=key)
+               for key in ("key-a", "key-b")]
+    yield srv, clients
+    for c in clients:
+        c.close()
+    srv.stop(0)
+
+
+def test_one_api_key_cannot_take_every_slot_or_the_pool(keyed_pod):
+    srv, (a, b) = keyed_pod
+    fp = a.bundle.server_fingerprint
+    assert srv.engine.config.max_sessions_per_key == 2 and srv.engine.config.pages_per_key == 128
+    held = []
+
+    def refused(channel, reserve: int, *fragments: str) -> None:
+        turn = RawTurn(channel)
+        turn.send(pb.TurnRequest(open=pb.OpenTurn(session_id=os.urandom(16), session_key=os.urandom(32),
+                                                  bundle_fingerprint=fp, reserve_tokens=reserve)))
+        err, seconds = timed(turn.error)
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.details()
+        assert all(f in err.details() for f in fragments), err.details()
+        assert seconds < 1 and retry_after_ms(err) > 0, (seconds, err.trailing_metadata())
+
+    try:
+        held.append(RawTurn(a.channel))
+        assert held[-1].open(*new_ids(), fp, reserve=1900).version == 0  # 119 of key a's 128 pages
+        refused(a.channel, 1000, "this API key hold 119 of the 128 KV pages")  # fits the pool, not its share
+        held.append(RawTurn(a.channel))
+        assert held[-1].open(*new_ids(), fp, reserve=16).version == 0
+        refused(a.channel, 16, "this API key has its limit of 2 turns")  # its slots (two are still free)
+        assert srv.engine.active_turns == 2
+        result, seconds = timed(lambda: b.new_session().chat("Name a colour.", ONE))  # key b: served at once
+        assert result.version == 1 and seconds < 10, seconds
+        held.append(RawTurn(b.channel))
+        assert held[-1].open(*new_ids(), fp, reserve=1900).version == 0  # and may take its own share
+        # Streams too: a key holds at most its share (8 of 16); the other key's next stream is still served.
+        held += [RawTurn(a.channel) for _ in range(6)]
+        assert wait_until(lambda: srv.service.num_streams == 9)
+        refused(a.channel, 16, "this API key has its limit of 8 turn streams")
+        held.append(RawTurn(b.channel))
+        assert held[-1].open(*new_ids(), fp, reserve=16).version == 0
+    finally:
+        for turn in held:
+            turn.cancel()
+    assert wait_until(lambda: srv.service.num_streams == 0 and srv.engine.active_turns == 0)
+    assert pool_is_whole(srv)
+    assert a.new_session().chat("Hi!", ONE).version == 1  # everything is back for key a
 
 
 # -- binding whole or not at all, before the model loads ------------------------------------------------

@@ -15,6 +15,12 @@ grant but not yet taken, cover it. A turn draws on its own grant first, so it
 never waits for pages within it; pages it frees (a truncation, an eviction)
 go back to its grant. Growth past the grant comes only from pages nobody was
 promised, and may be refused.
+
+A grant that does not fit waits (bounded) in line: pages that come back go to
+the oldest waiting grant that fits, so a large grant at the head of the line
+holds back nobody whose grant fits beside it, and at most `max_waiting`
+grants wait at once (past that a grant that does not fit is refused at once).
+With API keys, a `PageShare` caps what the turns of one key may hold at once.
 """
 
 from __future__ import annotations
@@ -36,10 +42,41 @@ class PoolExhausted(ResourceExhausted):
         self.retry_after = retry_after
 
 
+class ShareExhausted(PoolExhausted):
+    """The turns of one API key hold all the pages that key may use."""
+
+
+class PageShare:
+    """The pages the turns of one API key hold — for each turn its grant or the pages it took, whichever is
+    more — against the most that key may hold. Grants are claimed on turn threads and growth on the engine's
+    worker, so it has a lock of its own."""
+
+    def __init__(self, limit_pages: int):
+        self.limit_pages = limit_pages
+        self.held_pages = 0
+        self._lock = threading.Lock()
+
+    def claim(self, n: int) -> None:
+        if n <= 0:
+            return
+        with self._lock:
+            if self.held_pages + n > self.limit_pages:
+                raise ShareExhausted(f"the turns of this API key hold {self.held_pages} of the {self.limit_pages} KV "
+                                     f"pages one key may use and need {n} more; retry when one of its turns has "
+                                     "ended (or declare a smaller reserve_tokens)")
+            self.held_pages += n
+
+    def give_back(self, n: int) -> None:
+        if n > 0:
+            with self._lock:
+                self.held_pages -= n
+
+
 class PagePool:
     def __init__(self, num_pages: int, page_size: int, first_layer: int, num_layers: int, kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu", max_waiting: int | None = None):
         self.num_pages, self.page_size = num_pages, page_size
+        self.max_waiting = max_waiting  # most grants that may wait for pages at once (None: no limit)
         self.first_layer, self.num_layers = first_layer, num_layers
         self.kv_heads, self.head_dim = kv_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
@@ -49,6 +86,7 @@ class PagePool:
         self.v = [torch.empty(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self._free = list(range(num_pages))  # a heap: lowest ids first keeps sequences mostly contiguous
         self._promised = 0  # free pages set aside for grants (invariant: never more than the free pages)
+        self._waiting: list[list[int]] = []  # grants in line for pages, oldest first: [pages wanted] each
         self._cond = threading.Condition()
 
     @property
@@ -69,20 +107,47 @@ class PagePool:
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
 
+    @property
+    def num_waiting(self) -> int:
+        """Grants waiting in line for pages."""
+        with self._cond:
+            return len(self._waiting)
+
     def grant(self, n: int, wait: float = 0.0) -> None:
-        """Promise n pages to one turn, waiting up to `wait` seconds for other turns to give some back."""
+        """Promise n pages to one turn, waiting up to `wait` seconds, in line, for other turns to give some back."""
         if n > self.num_pages:
             raise PoolExhausted(f"a turn needs up to {n} KV pages but the whole pool has {self.num_pages}; "
                                 "raise kv_pool_tokens or lower max_context", retry_after=0)
         deadline = time.monotonic() + wait
         with self._cond:
-            while len(self._free) - self._promised < n:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise PoolExhausted(f"the server's KV cache pool is full (its {self.num_pages} pages are in use "
-                                        "or reserved by running turns); retry in a few seconds")
-                self._cond.wait(left)
-            self._promised += n
+            ahead = len(self._waiting)
+            place = [n]  # this grant's place in line (a list of its own, so `is` tells places apart)
+            self._waiting.append(place)
+            try:
+                while not self._is_served(place):
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise PoolExhausted(f"the server's KV cache pool is full (its {self.num_pages} pages are in "
+                                            "use or reserved by running turns); retry in a few seconds")
+                    if self.max_waiting is not None and ahead >= self.max_waiting:
+                        raise PoolExhausted(f"the server's KV cache pool is full and {ahead} turns already wait for "
+                                            "pages; retry in a few seconds")
+                    ahead = 0  # the limit is checked when a grant joins the line, not while it waits
+                    self._cond.wait(left)
+                self._promised += n
+            finally:
+                self._waiting.remove(place)
+                self._cond.notify_all()  # whoever is next in line may fit now
+
+    def _is_served(self, place: list[int]) -> bool:
+        """First fit in arrival order: the spare pages go to the grants ahead of `place` that fit, then to it."""
+        spare = len(self._free) - self._promised
+        for other in self._waiting:
+            if other is place:
+                return place[0] <= spare
+            if other[0] <= spare:
+                spare -= other[0]
+        raise AssertionError("a grant waits in line")
 
     def take(self, n: int, granted: int = 0) -> list[int]:
         """Take n pages, `granted` of them from the caller's grant; the rest only from spare pages."""
@@ -111,8 +176,9 @@ class PagePool:
 class PagedSequence:
     """One session's KV in the pool; a `KVSequence` like the contiguous KVCache, for the store and the window."""
 
-    def __init__(self, pool: PagePool):
+    def __init__(self, pool: PagePool, share: PageShare | None = None):
         self.pool = pool
+        self.share = share  # the pages its API key may hold, if the server limits keys
         self.first_layer, self.num_layers = pool.first_layer, pool.num_layers
         self.kv_heads, self.head_dim, self.dtype = pool.kv_heads, pool.head_dim, pool.dtype
         self.pages: list[int] = []
@@ -130,26 +196,52 @@ class PagedSequence:
         """Pages of the grant not taken yet (promised to this sequence in the pool)."""
         return max(0, self.quota_pages - len(self.pages))
 
+    @property
+    def held_pages(self) -> int:
+        """What this sequence counts against its key's share: its grant, or the pages it took if more."""
+        return max(self.quota_pages, len(self.pages))
+
     def grant(self, tokens: int, wait: float = 0.0) -> None:
-        """Reserve room for `tokens` positions in the pool, waiting up to `wait` seconds (at most once)."""
+        """Reserve room for `tokens` positions in the pool, waiting up to `wait` seconds (at most once). A key
+        past its share is refused at once: only its own turns could make room."""
         if self.quota_pages or self.pages:
             raise RuntimeError("a sequence is granted its quota once, before it takes pages")
         pages = self.pool.pages_for(tokens)
-        self.pool.grant(pages, wait)
+        self._claim(pages)
+        try:
+            self.pool.grant(pages, wait)
+        except BaseException:
+            self._give_back(pages)
+            raise
         self.quota_pages = pages
 
     def reserve(self, tokens: int) -> None:
         """Make sure pages exist for `tokens` positions: from the grant first, then from spare pages."""
         missing = self.pool.pages_for(tokens) - len(self.pages)
         if missing > 0:
-            self.pages += self.pool.take(missing, granted=min(missing, self.unused_quota))
+            granted = min(missing, self.unused_quota)
+            self._claim(missing - granted)
+            try:
+                self.pages += self.pool.take(missing, granted=granted)
+            except BaseException:
+                self._give_back(missing - granted)
+                raise
 
     def _trim(self) -> None:
         keep = self.pool.pages_for(self.length)
         if len(self.pages) > keep:
-            before = self.unused_quota
+            before, held = self.unused_quota, self.held_pages
             extra, self.pages = self.pages[keep:], self.pages[:keep]
             self.pool.release(extra, regrant=self.unused_quota - before)
+            self._give_back(held - self.held_pages)
+
+    def _claim(self, n: int) -> None:
+        if self.share is not None:
+            self.share.claim(n)
+
+    def _give_back(self, n: int) -> None:
+        if self.share is not None:
+            self.share.give_back(n)
 
     def slots(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(page ids, offsets) of positions [start, end)."""
@@ -204,10 +296,13 @@ class PagedSequence:
 
     def wipe(self) -> None:
         """Return every page (zeroed) to the pool, and whatever is left of the grant."""
-        unused, pages = self.unused_quota, self.pages
+        unused, pages, held = self.unused_quota, self.pages, self.held_pages
         self.pages, self.quota_pages = [], 0
         self.length = self.committed_length = 0
-        self.pool.release(pages, regrant=-unused)
+        try:
+            self.pool.release(pages, regrant=-unused)
+        finally:
+            self._give_back(held)
 
 
 class PagedBatch:

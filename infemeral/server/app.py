@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import signal
 import threading
 
@@ -36,8 +37,12 @@ MAINTENANCE_SECONDS = 5.0
 PORT_ZERO_ATTEMPTS = 5  # port 0 on a host name: the port the first address got may be taken on another
 
 
-def service_limits(settings: ServerSettings) -> ServiceLimits:
-    return ServiceLimits(max_streams=settings.max_streams or 4 * settings.max_sessions,
+def service_limits(settings: ServerSettings, num_api_keys: int = 0) -> ServiceLimits:
+    max_streams = settings.max_streams or 4 * settings.max_sessions
+    sessions_per_key, _ = settings.limits_per_key(num_api_keys)
+    # One key may hold the same share of the streams as of the turn slots.
+    streams_per_key = math.ceil(max_streams * sessions_per_key / settings.max_sessions) if sessions_per_key else 0
+    return ServiceLimits(max_streams=max_streams, max_streams_per_key=streams_per_key,
                          turn_idle_seconds=settings.turn_idle_seconds, max_turn_seconds=settings.max_turn_seconds,
                          delete_threads=settings.workers)
 
@@ -66,7 +71,7 @@ class Server:
         s = self.settings
         listen = ListenAddress.parse(s.listen)
         credentials = server_credentials(s.tls_cert, s.tls_key, s.tls_client_ca)
-        if credentials is None and not is_loopback(s.listen) and not s.allow_plaintext:
+        if credentials is None and not is_loopback(listen.host) and not s.allow_plaintext:
             raise ValueError(f"refusing plaintext gRPC on {s.listen}: set INFEMERAL_TLS_CERT and "
                              "INFEMERAL_TLS_KEY, or INFEMERAL_ALLOW_PLAINTEXT=true behind a TLS proxy you control")
         keys = read_api_keys(s.api_keys, s.api_keys_file)
@@ -75,15 +80,15 @@ class Server:
         self.port = self._call(self._bind(listen, credentials, keys))
         if s.metrics_port:
             self.metrics_port = self._listen_metrics(s.metrics_host, s.metrics_port)
-        if credentials is None and not is_loopback(s.listen):
+        if credentials is None and not is_loopback(listen.host):
             log.warning("serving plaintext gRPC on %s: the session key and hidden states cross the network "
                         "in the clear unless a TLS proxy terminates in front of this server", s.listen)
         # The slow part, now that nothing the environment refuses can stop the server any more.
         if s.verify_bundle:
             bundle.verify()
-        self.engine = Engine(bundle, open_store(s.store, s.session_ttl_seconds), s.engine_config(),
+        self.engine = Engine(bundle, open_store(s.store, s.session_ttl_seconds), s.engine_config(len(set(keys))),
                              metrics=self.metrics)
-        self.service = InfemeralService(self.engine, service_limits(s), self.max_message_bytes)
+        self.service = InfemeralService(self.engine, service_limits(s, len(set(keys))), self.max_message_bytes)
         self.metrics.pool_total.set(self.engine.pool.num_pages)
         self.metrics.pool_used.set_function(lambda: self.engine.pool.num_pages - self.engine.pool.free_pages)
         self.metrics.active_turns.set_function(lambda: self.engine.active_turns)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from infemeral.kvcache.window import WindowPolicy
+
+DEFAULT_RESERVE_TOKENS = 512  # tokens a turn that declares no reserve_tokens may add within its quota
+WAITING_SHARE = 0.5           # share of the turn slots that turns waiting for KV pages may hold
 
 
 @dataclass(frozen=True)
@@ -19,15 +23,36 @@ class EngineConfig:
     admission_wait: float = 10.0         # seconds a turn waits for KV pages before RESOURCE_EXHAUSTED
     attention_backend: str = "auto"      # auto, torch or flashinfer
     max_batch_hold: float = 0.0          # seconds a batch may wait for sessions about to send a step (0: never)
+    default_reserve_tokens: int = DEFAULT_RESERVE_TOKENS  # what a turn that declares nothing may add in its quota
+    max_sessions_per_key: int = 0        # most turns one API key may have open (0: no limit per key)
+    kv_pool_share_per_key: float = 1.0   # share of the pool the turns of one API key may hold (1: no limit)
 
     def __post_init__(self):
-        if self.num_pages < -(-self.window.max_context // self.window.page_size):
+        if self.num_pages < self.window_pages:
             raise ValueError(f"kv_pool_tokens ({self.kv_pool_tokens}) must hold at least one full session of "
                              f"max_context ({self.window.max_context}) tokens")
+        if not 0 < self.kv_pool_share_per_key <= 1:
+            raise ValueError(f"kv_pool_share_per_key must be above 0 and at most 1, not {self.kv_pool_share_per_key}")
 
     @property
     def num_pages(self) -> int:
         return max(1, self.kv_pool_tokens // self.window.page_size)
+
+    @property
+    def window_pages(self) -> int:
+        return -(-self.window.max_context // self.window.page_size)
+
+    @property
+    def max_waiting_turns(self) -> int:
+        """Most turns that may wait for KV pages at once: the other turn slots stay free for turns that fit."""
+        return max(1, int(self.max_sessions * WAITING_SHARE))
+
+    @property
+    def pages_per_key(self) -> int:
+        """Most pages the turns of one API key may hold (0: no limit); always at least one whole window."""
+        if self.kv_pool_share_per_key >= 1:
+            return 0
+        return min(self.num_pages, max(self.window_pages, math.ceil(self.kv_pool_share_per_key * self.num_pages)))
 
     @property
     def batch_token_budget(self) -> int:

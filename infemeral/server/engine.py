@@ -5,8 +5,21 @@ its pages), submit steps, truncate, commit and close; they never touch the
 model. One worker thread runs the loop — drain the steps that arrived, let the
 scheduler pick a batch, let the model runner run it, deliver the answers — so
 the pending steps of *all* sessions share one ragged forward pass (continuous
-batching: prefill and decode mixed, no padding). All page-pool mutations made
-for steps happen on that worker, so sessions can never step on each other.
+batching: prefill and decode mixed, no padding). Every change to an open turn's
+pages — its steps, window slides and truncations — happens on that worker,
+between batches, so none races a running batch. Only a turn's own thread
+touches its pages otherwise: loading them before its first step, wiping them
+once it is closed and no step or truncation of it is with the worker (the
+pool's free list has a lock of its own).
+
+A step is answered in the dtype it was sent in, and checked after that cast:
+an answer that is not finite on the wire (float16's range is far narrower
+than the layers' float32) fails the step and the turn, like activations that
+overflow inside the layers, and nothing is committed.
+
+With API keys, each turn carries a short hash of its key (`account`): one key
+may hold at most `max_sessions_per_key` turn slots and `pages_per_key` KV
+pages, so it cannot take the pool, or every slot, from the others.
 
 Opening a turn is two moves so that an asyncio front end never blocks: `claim_turn`
 (checks and a turn slot, instant) and `load_turn` (store lock, page quota,
@@ -23,14 +36,17 @@ import logging
 import queue
 import threading
 import time
+from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 
 from infemeral.cloak.bundle import ServerBundle
 from infemeral.errors import Aborted, FailedPrecondition, InvalidArgument, ResourceExhausted, StatusError, Unavailable
-from infemeral.kvcache.paged import PagedSequence, PagePool
+from infemeral.kvcache.paged import PagedSequence, PagePool, PageShare
 from infemeral.kvcache.persistence import SessionPersistence
 from infemeral.kvcache.stored import SessionKeys
 from infemeral.kvcache.window import WindowPolicy
@@ -52,15 +68,32 @@ SHUTTING_DOWN = "server is shutting down; retry on another replica or later"
 OVERFLOWED = ("the step's activations overflowed to inf/NaN in the server's {dtype} (the hidden states sent are "
               "far larger than the model produces); the turn was aborted and nothing was committed — reopen the "
               "session and retry")
+NOT_SENDABLE = ("the step's answer overflows to inf/NaN in {wire}, the dtype the step was sent in and is answered in "
+                "(the hidden states sent are far larger than the model produces); the turn was aborted and nothing "
+                "was committed — reopen the session and retry (bfloat16 and float32 have a wider range)")
 
 
 class SessionInTurn(Aborted):
     """This server already runs a turn of the session (a reconnecting client may wait briefly for it)."""
 
 
+def dtype_label(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def short_id(session_id: bytes) -> str:
     """Enough of a session id to correlate logs, not enough to address the session."""
     return session_id.hex()[:8]
+
+
+@dataclass(eq=False)
+class WorkerJob:
+    """Work on the pool that is not a forward pass — a truncation, forgetting a closed turn — run by the
+    worker between batches. A job on a turn holds it the way a step does (one message at a time)."""
+
+    run: Callable[[], Any]
+    turn: Turn | None = None
+    future: Future = field(default_factory=Future)
 
 
 @dataclass
@@ -88,20 +121,23 @@ class Engine:
         self.persistence = SessionPersistence(store, bundle.fingerprint)
         self.runner = ModelRunner(bundle, self.config)
         self.scheduler = Scheduler(self.config.window, self.runner.inv_freq, self.config.batch_token_budget,
-                                   self.config.admission_wait, max_batch_hold=self.config.max_batch_hold)
+                                   self.config.admission_wait, max_batch_hold=self.config.max_batch_hold,
+                                   default_reserve_tokens=self.config.default_reserve_tokens)
         self._stats = EngineStats()
         self._active: dict[bytes, Turn] = {}
         self._active_lock = threading.Condition()
+        self._turns_by_account: Counter[str] = Counter()  # open turns per API key (by its hash)
+        self._shares: dict[str, PageShare] = {}            # pages held per API key, once it has opened a turn
         self._unreleased: dict[bytes, SessionLock] = {}  # store locks whose release failed, to retry
         self._unreleased_lock = threading.Lock()
-        self._queue: queue.Queue[StepRequest | None] = queue.Queue()
+        self._queue: queue.Queue[StepRequest | WorkerJob | None] = queue.Queue()
         self._submit_lock = threading.Lock()  # orders submissions against the stop sentinel
         self._is_accepting = True             # new turns are welcome
         self._is_stopped = False              # no step will be run any more
         self._worker = threading.Thread(target=self._run, name="infemeral-engine", daemon=True)
         self._worker.start()
         log.info("engine ready: %d layers from %d on %s in %s, %d KV pages of %d tokens, %s attention",
-                 bundle.num_layers, bundle.first_layer, self.device, str(self.dtype).removeprefix("torch."),
+                 bundle.num_layers, bundle.first_layer, self.device, dtype_label(self.dtype),
                  self.pool.num_pages, self.pool.page_size, self.runner.backend.name)
 
     # -- what the service reads -----------------------------------------------------------------------
@@ -149,17 +185,21 @@ class Engine:
 
     # -- turns -------------------------------------------------------------------------------------
     def open_turn(self, session_id: bytes, session_key: bytes, expected_version: int, fingerprint: str,
-                  turn_id: bytes = b"", pending_turn_id: bytes = b"", reserve_tokens: int = 0) -> Turn:
+                  turn_id: bytes = b"", pending_turn_id: bytes = b"", reserve_tokens: int = 0,
+                  account: str | None = None) -> Turn:
         """`claim_turn` (waiting briefly for a reconnecting client's old turn to end), then `load_turn`."""
         turn = self.claim_turn(session_id, session_key, fingerprint, turn_id, pending_turn_id,
-                               wait=BUSY_GRACE_SECONDS)
+                               wait=BUSY_GRACE_SECONDS, account=account)
         self.load_turn(turn, expected_version, pending_turn_id, reserve_tokens)
         return turn
 
     def claim_turn(self, session_id: bytes, session_key: bytes, fingerprint: str, turn_id: bytes = b"",
-                   pending_turn_id: bytes = b"", wait: float = 0.0) -> Turn:
+                   pending_turn_id: bytes = b"", wait: float = 0.0, account: str | None = None) -> Turn:
         """Check an open and take one of the `max_sessions` turn slots for the session. Touches no store and
-        never blocks (unless `wait` > 0: how long to wait for this server's running turn of the session)."""
+        never blocks (unless `wait` > 0: how long to wait for this server's running turn of the session).
+
+        `account` names the API key the turn came with (a hash of it); it counts against that key's limits
+        when the server has any."""
         if len(session_id) != SESSION_ID_BYTES:
             raise InvalidArgument(f"session_id must be {SESSION_ID_BYTES} bytes, got {len(session_id)}")
         if len(session_key) != SESSION_KEY_BYTES:
@@ -173,26 +213,48 @@ class Engine:
                 "upload the matching server bundle or use the matching client bundle")
         if not self._is_accepting:
             raise Unavailable(SHUTTING_DOWN)
+        if not self.is_limited_per_key:
+            account = None
         with self._active_lock:
             if session_id in self._active and wait > 0:
                 self._active_lock.wait_for(lambda: session_id not in self._active, timeout=wait)
             if session_id in self._active:
                 raise SessionInTurn("this session is already in a turn on this server; wait for it to finish "
                                     "(one turn at a time per session)")
+            per_key = self.config.max_sessions_per_key
+            if account is not None and per_key and self._turns_by_account[account] >= per_key:
+                raise ResourceExhausted(f"this API key has its limit of {per_key} turns open on this server (of "
+                                        f"{self.config.max_sessions}); retry in a second", retry_after=1.0)
             if len(self._active) >= self.config.max_sessions:
                 raise ResourceExhausted(f"server is serving its limit of {self.config.max_sessions} turns; "
                                         "retry in a second", retry_after=1.0)
-            turn = Turn(session_id, SessionKeys.derive(session_id, session_key), PagedSequence(self.pool),
-                        turn_id=turn_id)
+            turn = Turn(session_id, SessionKeys.derive(session_id, session_key),
+                        PagedSequence(self.pool, self._share(account)), turn_id=turn_id, account=account)
             self._active[session_id] = turn
+            if account is not None:
+                self._turns_by_account[account] += 1
         return turn
+
+    @property
+    def is_limited_per_key(self) -> bool:
+        return bool(self.config.max_sessions_per_key or self.config.pages_per_key)
+
+    def _share(self, account: str | None) -> PageShare | None:
+        """The page share of an API key (under `_active_lock`); None without a limit on pages per key."""
+        if account is None or not self.config.pages_per_key:
+            return None
+        if account not in self._shares:  # one per configured key at most: the interceptor admits no other
+            self._shares[account] = PageShare(self.config.pages_per_key)
+        return self._shares[account]
 
     def load_turn(self, turn: Turn, expected_version: int, pending_turn_id: bytes = b"",
                   reserve_tokens: int = 0) -> None:
         """Take the session in the store, grant the turn its page quota and load its committed cache (store
         I/O, a wait of up to `admission_wait` for pages, decryption). On failure the turn is closed.
 
-        `reserve_tokens` is what the client may add in this turn (0: undeclared, a whole window)."""
+        `reserve_tokens` is what the client may add in this turn (0: undeclared, `default_reserve_tokens`).
+        A turn that has to wait for pages waits in line, and only while fewer than half the turn slots
+        already wait (see `PagePool.grant`)."""
         try:
             self._retry_release(turn.session_id)
             turn.lock = self.persistence.lock(turn.session_id)
@@ -220,15 +282,20 @@ class Engine:
         turn.check_cache_length(cache_length)
         num_outputs = turn.check_outputs(num_tokens, num_outputs)
         turn.check_evict(num_evicted, self.window.tokens_to_evict(turn.cache.length, num_tokens))
-        step = StepRequest(turn, hidden, num_tokens, num_outputs, num_evicted)
+        step = StepRequest(turn, hidden, num_tokens, num_outputs, num_evicted, answer_dtype=hidden.dtype)
+        self._submit(step)
+        return step.future
+
+    def _submit(self, item: StepRequest | WorkerJob) -> None:
+        """Hand a step or a job on an open turn to the worker; the turn is busy until it is answered."""
+        turn = item.turn
         turn.begin_step()
         with self._submit_lock:
             if self._is_stopped:
                 if turn.end_step():
                     self._wipe(turn)
                 raise Unavailable(SHUTTING_DOWN)
-            self._queue.put(step)
-        return step.future
+            self._queue.put(item)
 
     def step(self, turn: Turn, hidden: torch.Tensor, cache_length: int, num_outputs: int = 1,
              num_evicted: int = 0) -> StepOutput:
@@ -236,13 +303,24 @@ class Engine:
         turn.refresh_lock()
         return self.submit_step(turn, hidden, cache_length, num_outputs, num_evicted).result()
 
-    def truncate(self, turn: Turn, num_tokens: int, cache_length: int) -> int:
-        """Drop the last `num_tokens` positions (rejected drafts, a re-tokenised tail); the new length."""
+    def submit_truncate(self, turn: Turn, num_tokens: int, cache_length: int) -> Future:
+        """Drop the last `num_tokens` positions (rejected drafts, a re-tokenised tail); the future resolves to
+        the new length. Checked here; the pages are freed (and zeroed) on the worker, between batches."""
         turn.require_open()
         turn.check_cache_length(cache_length)
         turn.check_truncate(num_tokens)
-        turn.cache.truncate(num_tokens)
-        return turn.cache.length
+
+        def truncate() -> int:
+            turn.cache.truncate(num_tokens)
+            return turn.cache.length
+
+        job = WorkerJob(truncate, turn)
+        self._submit(job)
+        return job.future
+
+    def truncate(self, turn: Turn, num_tokens: int, cache_length: int) -> int:
+        """`submit_truncate`, and wait for the new length."""
+        return self.submit_truncate(turn, num_tokens, cache_length).result()
 
     def commit(self, turn: Turn) -> int:
         """Store what changed and move the session to its next version."""
@@ -283,7 +361,15 @@ class Engine:
         with self._active_lock:
             if self._active.get(turn.session_id) is turn:
                 del self._active[turn.session_id]
+                if turn.account is not None:
+                    self._turns_by_account[turn.account] -= 1
+                    if not self._turns_by_account[turn.account]:
+                        del self._turns_by_account[turn.account]
                 self._active_lock.notify_all()
+        if self.scheduler.is_pacing:  # after the turn's last step, which the queue holds, if any
+            with self._submit_lock:
+                if not self._is_stopped:
+                    self._queue.put(WorkerJob(lambda: self.scheduler.forget(turn)))
 
     def _retry_release(self, session_id: bytes) -> None:
         """Release a lock on the session left over from a turn that closed while the store was down (store
@@ -376,26 +462,49 @@ class Engine:
                     break
                 if item is not None:
                     left.append(item)
-            for step in left:
-                self._fail(step, Unavailable(reason))
+            for item in left:
+                self._fail(item, Unavailable(reason))
 
     def _drain(self, until: float | None = None) -> bool:
-        """Hand the steps that arrived to the scheduler, blocking while there is nothing to do (or, with
-        `until`, until then or the next step); False on stop."""
+        """Hand the steps that arrived to the scheduler and run the jobs that arrived, blocking while there
+        is nothing to do (or, with `until`, until then or the next step); False on stop."""
         block = self.scheduler.num_waiting == 0 or until is not None
         while True:
             timeout = None if until is None else max(0.0, until - time.monotonic())
             try:
-                step = self._queue.get(block=block, timeout=timeout if block else None)
+                item = self._queue.get(block=block, timeout=timeout if block else None)
             except queue.Empty:
                 return True
-            block, until = False, None
-            if step is None:
+            if item is None:
                 return False
-            if step.future.set_running_or_notify_cancel():
-                self.scheduler.add(step)
-            elif step.turn.end_step():  # cancelled before it started: nothing happened to the turn...
-                self._wipe(step.turn)     # ...which has closed meanwhile
+            if not item.future.set_running_or_notify_cancel():  # cancelled before it started: nothing
+                if item.turn is not None and item.turn.end_step():  # happened to the turn, which has closed
+                    self._wipe(item.turn)                           # meanwhile
+            elif isinstance(item, WorkerJob):
+                self._run_job(item)  # between batches; a hold goes on
+                continue
+            else:
+                self.scheduler.add(item)
+            block, until = False, None
+
+    def _run_job(self, job: WorkerJob) -> None:
+        if job.turn is not None and job.turn.is_close_requested:  # nobody waits for it: the turn is gone
+            self._fail(job, Aborted("the turn was closed before this truncation ran"))
+            return
+        try:
+            result = job.run()
+        except Exception as e:  # noqa: BLE001 - a job failing fails its turn, never the worker
+            log.error("a job on the page pool failed: %s", type(e).__name__)
+            self._fail(job, e if isinstance(e, StatusError) else Unavailable(
+                f"the server failed to change this turn's cache ({type(e).__name__}); nothing was committed — "
+                "retry the turn"))
+            return
+        if job.turn is not None and job.turn.end_step():
+            self._wipe(job.turn)
+        try:
+            job.future.set_result(result)
+        except InvalidStateError:  # cancelled meanwhile
+            pass
 
     def _run_batch(self, batch: list[StepRequest]) -> None:
         try:
@@ -416,8 +525,13 @@ class Engine:
         self.metrics.batch_ran(len(batch), num_tokens)
         for step, hidden in zip(batch, outputs):
             if hidden is None:
-                self._fail(step, InvalidArgument(OVERFLOWED.format(dtype=str(self.dtype).removeprefix("torch."))))
+                self._fail(step, InvalidArgument(OVERFLOWED.format(dtype=dtype_label(self.dtype))))
                 continue
+            if step.answer_dtype is not None and hidden.dtype != step.answer_dtype:
+                hidden = hidden.to(step.answer_dtype)  # what is sent: checked after the cast, not before
+                if not bool(torch.isfinite(hidden).all()):
+                    self._fail(step, InvalidArgument(NOT_SENDABLE.format(wire=dtype_label(step.answer_dtype))))
+                    continue
             answer = StepOutput(hidden, step.turn.cache.length, step.num_evicted)
             if step.turn.end_step():
                 self._wipe(step.turn)
@@ -426,13 +540,13 @@ class Engine:
             except InvalidStateError:  # cancelled meanwhile
                 pass
 
-    def _fail(self, step: StepRequest, error: StatusError) -> None:
-        """A step that did not run or whose result is unusable: its turn no longer agrees with the client,
-        so the turn fails too."""
-        if step.turn.end_step(error.message):
-            self._wipe(step.turn)
+    def _fail(self, item: StepRequest | WorkerJob, error: StatusError) -> None:
+        """A step (or job) that did not run or whose result is unusable: its turn no longer agrees with the
+        client, so the turn fails too."""
+        if item.turn is not None and item.turn.end_step(error.message):
+            self._wipe(item.turn)
         try:
-            step.future.set_exception(error)
+            item.future.set_exception(error)
         except InvalidStateError:  # cancelled meanwhile
             pass
 

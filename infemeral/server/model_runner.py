@@ -51,7 +51,8 @@ class ModelRunner:
         self.inv_freq = (rope_shift_frequencies(self.layers.rotary, model, window.max_context)
                          if window.enabled else None)  # pure RoPE angles, for re-keying after evictions
         self.pool = PagePool(config.num_pages, window.page_size, bundle.first_layer, bundle.num_layers,
-                             model.num_key_value_heads, head_dim(model), self.dtype, self.device)
+                             model.num_key_value_heads, head_dim(model), self.dtype, self.device,
+                             max_waiting=config.max_waiting_turns)
         self.backend = select_backend(config.attention_backend, self.device, model.num_attention_heads,
                                       model.num_key_value_heads, head_dim(model), window.page_size, self.dtype)
 

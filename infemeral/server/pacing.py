@@ -10,7 +10,9 @@ short limit (at most `max_hold`, and at most half a forward pass) of the moment 
 (or of the oldest waiting step's arrival, if that was later). Turns
 whose gap is longer than that (a slow network) are never waited for, and a lone session never waits.
 It only decides when a batch starts, never what is in it or what it computes. Off unless the server's
-`max_batch_hold` is set.
+`max_batch_hold` is set; off, it records nothing. On, it knows only the turns that are open: the engine
+forgets each turn as it closes (on the worker, after the turn's last step), and a turn not heard from in
+`FORGET_SECONDS` is dropped too.
 """
 
 from __future__ import annotations
@@ -32,8 +34,19 @@ class Pacer:
         self._answered_at: dict[int, float] = {}      # id(turn) -> when its last step was answered
         self._gap: dict[int, float] = {}              # id(turn) -> running average answer -> next step
 
+    @property
+    def is_on(self) -> bool:
+        return self.max_hold > 0
+
+    @property
+    def num_known(self) -> int:
+        """Turns it keeps anything about (bounded by the open turns)."""
+        return len(self._answered_at.keys() | self._gap.keys())
+
     def answered(self, turns: Iterable, forward_seconds: float) -> None:
         """A forward pass of `forward_seconds` answered a step of each of `turns`."""
+        if not self.is_on:
+            return
         now = self.free_since = self.clock()
         for turn in turns:
             self._answered_at[id(turn)] = now
@@ -41,13 +54,15 @@ class Pacer:
 
     def arrived(self, turn) -> None:
         """A step of `turn` arrived: learn how long its client took since the last answer."""
+        if not self.is_on:
+            return
         answered = self._answered_at.pop(id(turn), None)
         if answered is not None:
             self._gap[id(turn)] = _average(self._gap.get(id(turn)), self.clock() - answered)
 
     def hold_until(self, waiting_turns: Iterable, oldest_arrival: float) -> float | None:
         """The time to start the next batch if it should wait for turns about to return, else None."""
-        if self.max_hold <= 0 or self.forward_seconds is None:
+        if not self.is_on or self.forward_seconds is None:
             return None
         now = self.clock()
         for key in [k for k, t in self._answered_at.items() if now - t > FORGET_SECONDS]:
@@ -65,6 +80,7 @@ class Pacer:
         return until if until > now else None
 
     def forget(self, turn) -> None:
+        """The turn closed: nothing about it is needed any more."""
         self._answered_at.pop(id(turn), None)
         self._gap.pop(id(turn), None)
 

@@ -7,7 +7,10 @@ starves). Before a step joins a batch its turn's window slides — an explicit
 step: the oldest pages after the sinks are evicted and the survivors
 re-keyed — and pages are reserved for its new positions. A turn was granted a
 page quota when it opened, so within it admission always succeeds; past it a
-step waits (bounded) for spare pages, then fails.
+step waits (bounded) for spare pages, then fails. A turn that declares nothing
+(reserve_tokens 0) is granted room for `default_reserve_tokens` more, not a
+whole window: past that it grows only into spare pages, so a few undeclared
+turns cannot take the pool from everyone else.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any
 from infemeral.errors import Aborted, StatusError
 from infemeral.kvcache.paged import PoolExhausted
 from infemeral.kvcache.window import WindowPolicy, apply_window
+from infemeral.server.config import DEFAULT_RESERVE_TOKENS
 from infemeral.server.pacing import Pacer
 from infemeral.server.turn import Turn
 
@@ -42,6 +46,7 @@ class StepRequest:
     num_tokens: int
     num_outputs: int
     num_evicted: int            # validated against the window when the step arrived
+    answer_dtype: Any = None    # the dtype the answer goes back in (the step's own); None: the server's
     future: Future = field(default_factory=Future)
     is_started: bool = False    # its window has slid; it cannot be undone
     waiting_since: float | None = None
@@ -57,8 +62,10 @@ class Schedule:
 
 class Scheduler:
     def __init__(self, window: WindowPolicy, inv_freq, max_batch_tokens: int, admission_wait: float,
-                 clock: Callable[[], float] = time.monotonic, max_batch_hold: float = 0.0):
+                 clock: Callable[[], float] = time.monotonic, max_batch_hold: float = 0.0,
+                 default_reserve_tokens: int = DEFAULT_RESERVE_TOKENS):
         self.window = window
+        self.default_reserve_tokens = default_reserve_tokens
         self.inv_freq = inv_freq  # pure RoPE angles for re-keying after an eviction (None without a window)
         self.max_batch_tokens = max_batch_tokens
         self.admission_wait = admission_wait
@@ -68,11 +75,20 @@ class Scheduler:
 
     # -- turns -------------------------------------------------------------------------------------
     def quota_tokens(self, length: int, reserve_tokens: int) -> int:
-        """Most positions a turn that opens at `length` may hold: what its client declared it may add (at
-        least one token), or, declaring nothing, a whole window. Never more than a window."""
+        """Most positions a turn that opens at `length` may hold: what its client declared it may add, or,
+        declaring nothing, `default_reserve_tokens`. Never more than a window."""
         if reserve_tokens <= 0:
-            return self.window.max_context
+            reserve_tokens = self.default_reserve_tokens
         return min(self.window.max_context, length + max(1, reserve_tokens))
+
+    @property
+    def is_pacing(self) -> bool:
+        """Whether the pacer keeps anything about turns (only when batch holding is on)."""
+        return self.pacer.is_on
+
+    def forget(self, turn: Turn) -> None:
+        """The turn closed (called on the worker, after its last step)."""
+        self.pacer.forget(turn)
 
     # -- steps -------------------------------------------------------------------------------------
     @property

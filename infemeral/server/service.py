@@ -8,13 +8,15 @@ Nothing here waits on a thread for a client: an open stream is a coroutine,
 so silent streams cost no worker, and server info (answered on the event loop)
 and deletes (on their own threads) answer whatever the turns do. Limits answer
 at once: past `max_streams` open Turn streams, or `max_sessions` open turns, a
-new one gets RESOURCE_EXHAUSTED with a `retry-after-ms` hint, never a queue.
+new one gets RESOURCE_EXHAUSTED with a `retry-after-ms` hint, never a queue;
+with several API keys, likewise past one key's share of either.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -24,8 +26,8 @@ from infemeral import __version__
 from infemeral.cloak.bundle import dtype_name
 from infemeral.errors import ResourceExhausted, StatusError
 from infemeral.protocol import PROTOCOL_VERSION, pb, pb_grpc
-from infemeral.server.engine import Engine
-from infemeral.server.turn_call import STORE_ERRORS, TurnCall, abort
+from infemeral.server.engine import Engine, short_id
+from infemeral.server.turn_call import STORE_ERRORS, TurnCall, abort, api_key_account
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +35,7 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class ServiceLimits:
     max_streams: int = 256             # Turn streams open at once, opened or not
+    max_streams_per_key: int = 0       # of those, most with one API key (0: no limit per key)
     turn_idle_seconds: float = 30.0    # longest wait for a client's next message inside a turn
     max_turn_seconds: float = 3600.0   # longest turn
     delete_threads: int = 8            # threads for session deletes
@@ -48,23 +51,37 @@ class InfemeralService(pb_grpc.InfemeralServicer):
         self.turn_executor = ThreadPoolExecutor(engine.config.max_sessions + 4, thread_name_prefix="infemeral-turn")
         self.delete_executor = ThreadPoolExecutor(limits.delete_threads, thread_name_prefix="infemeral-delete")
         self._calls: set[asyncio.Task] = set()
+        self._streams_by_account: Counter[str] = Counter()  # on the event loop only
 
     @property
     def num_streams(self) -> int:
         return len(self._calls)
 
     async def Turn(self, request_iterator, context):
+        per_key = self.limits.max_streams_per_key
+        account = api_key_account(context)
         if self.num_streams >= self.limits.max_streams:
-            self.engine.metrics.turn_ended("resource_exhausted")
-            await abort(context, ResourceExhausted(
-                f"server has its limit of {self.limits.max_streams} turn streams open; retry in a second",
-                retry_after=1.0))
+            await self._refuse(context, f"server has its limit of {self.limits.max_streams} turn streams open")
+        if per_key and account is not None and self._streams_by_account[account] >= per_key:
+            await self._refuse(context, f"this API key has its limit of {per_key} turn streams open on this server "
+                                        f"(of {self.limits.max_streams})")
         task = asyncio.current_task()
         self._calls.add(task)
+        if account is not None:
+            self._streams_by_account[account] += 1
         try:
-            await TurnCall(self, context).run()
+            await TurnCall(self, context, account).run()
         finally:
             self._calls.discard(task)
+            if account is not None:
+                self._streams_by_account[account] -= 1
+                if not self._streams_by_account[account]:
+                    del self._streams_by_account[account]
+
+    async def _refuse(self, context, limit: str) -> None:
+        self.engine.metrics.turn_ended("resource_exhausted")
+        log.warning("turn refused session=- status=RESOURCE_EXHAUSTED")
+        await abort(context, ResourceExhausted(f"{limit}; retry in a second", retry_after=1.0))
 
     async def GetServerInfo(self, request, context):
         e = self.engine
@@ -80,12 +97,14 @@ class InfemeralService(pb_grpc.InfemeralServicer):
 
     async def DeleteSession(self, request, context):
         job = self.delete_executor.submit(self.engine.delete_session, request.session_id, request.session_key)
+        sid = short_id(request.session_id) if request.session_id else "-"
         try:
             await asyncio.wrap_future(job)
         except StatusError as e:
+            log.warning("delete refused session=%s status=%s", sid, e.code.name)
             await abort(context, e)
         except STORE_ERRORS as e:
-            log.error("store error: %s", type(e).__name__)
+            log.error("delete failed session=%s status=UNAVAILABLE (store error: %s)", sid, type(e).__name__)
             await context.abort(grpc.StatusCode.UNAVAILABLE, "session store is unavailable; retry")
         return pb.DeleteSessionResponse()
 

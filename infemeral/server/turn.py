@@ -7,7 +7,8 @@ the page pool, and moves through these states:
     OPEN ──step──▶ STEPPING ──answered──▶ OPEN ──commit──▶ COMMITTED ──▶ CLOSED
                       └──────failed──────▶ FAILED ───────────────────────▶ CLOSED
 
-A turn that failed half-way (its cache and the client's no longer agree) only
+A truncation is with the worker the same way a step is (STEPPING). A turn
+that failed half-way (its cache and the client's no longer agree) only
 accepts being closed. Closing never waits: a turn closed while one of its steps
 is with the engine's worker (the client vanished, a deadline passed) is CLOSED
 at once — its session and slot are released — and the worker, which may be
@@ -31,7 +32,7 @@ LOCK_REFRESH_SECONDS = 10.0
 
 class TurnStatus(enum.Enum):
     OPEN = "open"            # waiting for the client's next message
-    STEPPING = "stepping"    # one step is with the scheduler
+    STEPPING = "stepping"    # one step (or truncation) is with the engine's worker
     COMMITTED = "committed"  # the commit landed; only closing is left
     FAILED = "failed"        # a step or the commit failed; only closing is left
     CLOSED = "closed"        # session released; pages wiped (by the worker if a step was running)
@@ -43,6 +44,7 @@ class Turn:
     keys: SessionKeys
     cache: PagedSequence
     turn_id: bytes = b""
+    account: str | None = None       # hash of the API key it came with, where keys are limited
     version: int = 0                 # the committed version this turn started from (or committed)
     manifest: Manifest | None = None  # the committed state the cache was loaded from (or committed to)
     lock: SessionLock | None = None   # the store's cross-replica hold on the session

@@ -11,14 +11,22 @@ on the service's turn threads, one job at a time per turn.
 However the call ends — commit, error, deadline, the client cancelling or
 vanishing — the turn is closed (session lock, turn slot and pages released)
 before the client hears the outcome, and a job still running for the turn
-(a load, a commit) finishes before the close touches the turn.
+(a load, a commit) finishes before the close touches the turn. A turn that
+is refused or fails leaves one WARNING line: the short session id and the
+status code, never the message (it may quote what the client sent).
+
+The API key a call came with (the interceptor has checked it) counts as the
+turn's account, by a keyed hash that never leaves this process: with several
+keys, each has limits of its own.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import hashlib
 import logging
+import os
 import time
 from typing import TYPE_CHECKING
 
@@ -27,9 +35,10 @@ import grpc
 from infemeral.errors import DeadlineExceeded, InvalidArgument, StatusError
 from infemeral.protocol import pb
 from infemeral.protocol.tensors import from_proto, to_proto
-from infemeral.server.engine import BUSY_GRACE_SECONDS, SessionInTurn
+from infemeral.server.engine import BUSY_GRACE_SECONDS, SessionInTurn, short_id
 from infemeral.server.turn import Turn
 from infemeral.storage.base import store_errors
+from infemeral.transport import API_KEY_HEADER
 
 if TYPE_CHECKING:
     from infemeral.server.service import InfemeralService
@@ -38,14 +47,28 @@ log = logging.getLogger(__name__)
 STORE_ERRORS = store_errors()
 BUSY_POLL_SECONDS = 0.05
 RETRY_AFTER_KEY = "retry-after-ms"
+_ACCOUNT_SALT = os.urandom(16)  # account names mean nothing outside this process, nor across restarts
+
+
+def api_key_account(context: grpc.aio.ServicerContext) -> str | None:
+    """A short keyed hash of the API key the call came with (None: it came with none); for counting what
+    each key holds. Never the key itself, and never logged."""
+    for name, value in context.invocation_metadata() or ():
+        if name == API_KEY_HEADER:
+            raw = value.encode() if isinstance(value, str) else bytes(value)
+            return hashlib.blake2b(raw, key=_ACCOUNT_SALT, digest_size=8).hexdigest()
+    return None
 
 
 class TurnCall:
-    def __init__(self, service: "InfemeralService", context: grpc.aio.ServicerContext):
+    def __init__(self, service: "InfemeralService", context: grpc.aio.ServicerContext, account: str | None = None):
         self.engine = service.engine
         self.limits = service.limits
         self.executor = service.turn_executor
         self.context = context
+        self.account = account
+        self.session_id: bytes | None = None  # once the open message named one
+        self.is_opened = False                 # the client was told the turn is open
         self.loop = asyncio.get_running_loop()
         self.deadline = self.loop.time() + self.limits.max_turn_seconds
         self.turn: Turn | None = None
@@ -55,14 +78,14 @@ class TurnCall:
     async def run(self) -> None:
         """Serve the turn; close it; then tell the client how it ended."""
         error: StatusError | None = None
+        cause = ""
         try:
             await self._converse()
         except StatusError as e:
             error, self.outcome = e, e.code.name.lower()
         except STORE_ERRORS as e:
-            self.outcome = "store_error"
+            self.outcome, cause = "store_error", f" (store error: {type(e).__name__})"
             self.engine.metrics.store_failed()
-            log.error("store error: %s", type(e).__name__)
             error = StatusError("session store is unavailable; the session is unchanged, retry",
                                 grpc.StatusCode.UNAVAILABLE)
         except asyncio.CancelledError:
@@ -73,6 +96,9 @@ class TurnCall:
                 await self._close()
             self.engine.metrics.turn_ended(self.outcome)
         if error is not None:
+            log.log(logging.ERROR if cause else logging.WARNING, "turn %s session=%s status=%s%s",
+                    "failed" if self.is_opened else "refused",
+                    short_id(self.session_id) if self.session_id else "-", error.code.name, cause)
             await abort(self.context, error)
 
     # -- the conversation ---------------------------------------------------------------------------
@@ -86,6 +112,7 @@ class TurnCall:
         await self._send(pb.TurnResponse(opened=pb.Opened(
             version=turn.version, cache_length=turn.cache.length,
             pending_committed=turn.version == o.expected_version + 1)))
+        self.is_opened = True
         while True:
             request = await self._receive()
             if request is None:  # the client ended the stream without a commit: nothing changes
@@ -95,8 +122,9 @@ class TurnCall:
                 await self._refresh_lock()
             elif kind == "step":
                 await self._send(await self._step(request.step))
-            elif kind == "truncate":
-                length = self.engine.truncate(turn, request.truncate.tokens, request.truncate.cache_length)
+            elif kind == "truncate":  # the pages are freed on the engine's worker, between batches
+                future = self.engine.submit_truncate(turn, request.truncate.tokens, request.truncate.cache_length)
+                length = await self._bounded(asyncio.wrap_future(future))
                 await self._send(pb.TurnResponse(truncated=pb.Truncated(cache_length=length)))
             elif kind == "commit":
                 version, length = await self._blocking(self._commit_and_close, bounded=False)
@@ -109,11 +137,12 @@ class TurnCall:
     async def _open(self, o: pb.OpenTurn) -> None:
         # A client that lost its stream may reconnect before this server has closed the old turn: give the
         # old turn a moment to close before refusing (polling, so no thread waits).
+        self.session_id = o.session_id
         give_up = self.loop.time() + BUSY_GRACE_SECONDS
         while True:
             try:
                 self.turn = self.engine.claim_turn(o.session_id, o.session_key, o.bundle_fingerprint, o.turn_id,
-                                                   o.pending_turn_id)
+                                                   o.pending_turn_id, account=self.account)
                 break
             except SessionInTurn:
                 if self.loop.time() >= give_up:
@@ -129,7 +158,8 @@ class TurnCall:
         future = self.engine.submit_step(self.turn, hidden, step.cache_length, step.outputs, step.evict)
         out = await self._bounded(asyncio.wrap_future(future))
         self.engine.metrics.step_answered(time.perf_counter() - started)
-        return pb.TurnResponse(step=pb.StepResult(hidden=to_proto(out.hidden.to(hidden.dtype)),
+        # The engine answers in the step's own dtype, and checked the answer in it.
+        return pb.TurnResponse(step=pb.StepResult(hidden=to_proto(out.hidden),
                                                   cache_length=out.cache_length, evicted=out.num_evicted))
 
     async def _refresh_lock(self) -> None:
