@@ -27,7 +27,7 @@ from infemeral.kvcache.stored import SessionKeys
 from infemeral.model.layers import head_dim
 from infemeral.protocol import pb
 from infemeral.protocol.tensors import from_proto
-from infemeral.storage.base import open_store
+from infemeral.storage.open import open_store
 from test_wire import TurnRecorder
 
 pytestmark = pytest.mark.slow

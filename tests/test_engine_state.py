@@ -45,7 +45,7 @@ from infemeral.kvcache.window import WindowPolicy
 from infemeral.server.config import EngineConfig
 from infemeral.server.engine import Engine
 from infemeral.server.turn import TurnStatus
-from infemeral.storage.base import open_store
+from infemeral.storage.open import open_store
 
 HIDDEN = 64
 WINDOW = WindowPolicy(max_context=48, sink_tokens=4, page_size=8)

@@ -19,7 +19,8 @@ from infemeral.errors import Aborted, DataLoss, FailedPrecondition, NotFound, Pe
 from infemeral.kvcache import stored
 from infemeral.kvcache.cache import KVCache
 from infemeral.kvcache.persistence import SessionPersistence
-from infemeral.storage.base import SessionBusy, open_store
+from infemeral.storage.base import SessionBusy
+from infemeral.storage.open import open_store
 
 FP = "sha256:" + "ab" * 32
 LAYERS, FIRST, HEADS, HEAD_DIM = 3, 1, 2, 8

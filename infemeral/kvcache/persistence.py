@@ -23,7 +23,8 @@ import logging
 from infemeral.errors import Aborted, FailedPrecondition, NotFound
 from infemeral.kvcache import stored
 from infemeral.kvcache.sequence import KVSequence
-from infemeral.storage.base import SessionBusy, SessionLock, Store, store_errors
+from infemeral.storage.base import SessionBusy, SessionLock, Store
+from infemeral.storage.open import store_errors
 
 log = logging.getLogger(__name__)
 

@@ -23,11 +23,12 @@ from grpc_reflection.v1alpha import reflection
 from infemeral.cloak.bundle import ServerBundle
 from infemeral.config import ServerSettings
 from infemeral.protocol import SERVICE_NAME, pb_grpc
+from infemeral.server.config import ServiceLimits
 from infemeral.server.engine import Engine
 from infemeral.server.listen import CannotListen, ListenAddress, bind_all, reason
 from infemeral.server.metrics import Metrics
-from infemeral.server.service import InfemeralService, ServiceLimits
-from infemeral.storage.base import open_store
+from infemeral.server.service import InfemeralService
+from infemeral.storage.open import open_store
 from infemeral.transport import ApiKeyInterceptor, is_loopback, read_api_keys, server_credentials
 
 log = logging.getLogger(__name__)

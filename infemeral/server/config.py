@@ -1,4 +1,5 @@
-"""The engine's configuration: one frozen object, built from `ServerSettings.engine_config()`."""
+"""The server's frozen configuration: the engine's (`ServerSettings.engine_config()`) and the gRPC
+service's limits (`service_limits` in app.py)."""
 
 from __future__ import annotations
 
@@ -57,3 +58,12 @@ class EngineConfig:
     @property
     def batch_token_budget(self) -> int:
         return max(self.max_batch_tokens, self.max_step_tokens)
+
+
+@dataclass(frozen=True)
+class ServiceLimits:
+    max_streams: int = 256             # Turn streams open at once, opened or not
+    max_streams_per_key: int = 0       # of those, most with one API key (0: no limit per key)
+    turn_idle_seconds: float = 30.0    # longest wait for a client's next message inside a turn
+    max_turn_seconds: float = 3600.0   # longest turn
+    delete_threads: int = 8            # threads for session deletes

@@ -18,7 +18,6 @@ import asyncio
 import logging
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import grpc
 
@@ -26,19 +25,11 @@ from infemeral import __version__
 from infemeral.cloak.bundle import dtype_name
 from infemeral.errors import ResourceExhausted, StatusError
 from infemeral.protocol import PROTOCOL_VERSION, pb, pb_grpc
+from infemeral.server.config import ServiceLimits
 from infemeral.server.engine import Engine, short_id
-from infemeral.server.turn_call import STORE_ERRORS, TurnCall, abort, api_key_account
+from infemeral.server.turn_call import STORE_ERRORS, TurnCall, TurnCallResources, abort, api_key_account
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ServiceLimits:
-    max_streams: int = 256             # Turn streams open at once, opened or not
-    max_streams_per_key: int = 0       # of those, most with one API key (0: no limit per key)
-    turn_idle_seconds: float = 30.0    # longest wait for a client's next message inside a turn
-    max_turn_seconds: float = 3600.0   # longest turn
-    delete_threads: int = 8            # threads for session deletes
 
 
 class InfemeralService(pb_grpc.InfemeralServicer):
@@ -50,6 +41,7 @@ class InfemeralService(pb_grpc.InfemeralServicer):
         # waits for another turn's. Deletes have their own threads.
         self.turn_executor = ThreadPoolExecutor(engine.config.max_sessions + 4, thread_name_prefix="infemeral-turn")
         self.delete_executor = ThreadPoolExecutor(limits.delete_threads, thread_name_prefix="infemeral-delete")
+        self.turn_resources = TurnCallResources(engine, limits, self.turn_executor)
         self._calls: set[asyncio.Task] = set()
         self._streams_by_account: Counter[str] = Counter()  # on the event loop only
 
@@ -70,7 +62,7 @@ class InfemeralService(pb_grpc.InfemeralServicer):
         if account is not None:
             self._streams_by_account[account] += 1
         try:
-            await TurnCall(self, context, account).run()
+            await TurnCall(self.turn_resources, context, account).run()
         finally:
             self._calls.discard(task)
             if account is not None:

@@ -28,20 +28,19 @@ import hashlib
 import logging
 import os
 import time
-from typing import TYPE_CHECKING
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import grpc
 
 from infemeral.errors import DeadlineExceeded, InvalidArgument, StatusError
 from infemeral.protocol import pb
 from infemeral.protocol.tensors import from_proto, to_proto
-from infemeral.server.engine import BUSY_GRACE_SECONDS, SessionInTurn, short_id
+from infemeral.server.config import ServiceLimits
+from infemeral.server.engine import BUSY_GRACE_SECONDS, Engine, SessionInTurn, short_id
 from infemeral.server.turn import Turn
-from infemeral.storage.base import store_errors
+from infemeral.storage.open import store_errors
 from infemeral.transport import API_KEY_HEADER
-
-if TYPE_CHECKING:
-    from infemeral.server.service import InfemeralService
 
 log = logging.getLogger(__name__)
 STORE_ERRORS = store_errors()
@@ -60,11 +59,20 @@ def api_key_account(context: grpc.aio.ServicerContext) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class TurnCallResources:
+    """What a turn call needs from the service that runs it."""
+
+    engine: Engine
+    limits: ServiceLimits
+    executor: ThreadPoolExecutor  # the turn threads: store I/O and encryption, one job at a time per turn
+
+
 class TurnCall:
-    def __init__(self, service: "InfemeralService", context: grpc.aio.ServicerContext, account: str | None = None):
-        self.engine = service.engine
-        self.limits = service.limits
-        self.executor = service.turn_executor
+    def __init__(self, resources: TurnCallResources, context: grpc.aio.ServicerContext, account: str | None = None):
+        self.engine = resources.engine
+        self.limits = resources.limits
+        self.executor = resources.executor
         self.context = context
         self.account = account
         self.session_id: bytes | None = None  # once the open message named one

@@ -6,13 +6,14 @@ Committing is: write the new chunk durably, then replace the manifest
 atomically (guarded by the session lock's fencing token), then drop chunks the
 manifest no longer names (guarded the same way). A crash at any point leaves the old or the new
 manifest, each naming chunks that exist. Backends never see keys or plaintext.
+
+The interface knows no backend: `infemeral.storage.open` picks one from a URL.
 """
 
 from __future__ import annotations
 
 import abc
 import threading
-from pathlib import Path
 
 from infemeral.errors import Aborted
 
@@ -86,31 +87,3 @@ class Store(abc.ABC):
 
     def close(self) -> None:
         pass
-
-
-def store_errors() -> tuple[type[BaseException], ...]:
-    """Exceptions that mean "the store is unreachable or failed" (answered as UNAVAILABLE)."""
-    errors: tuple[type[BaseException], ...] = (OSError,)
-    try:
-        import redis
-
-        errors += (redis.exceptions.RedisError,)
-    except ImportError:
-        pass
-    return errors
-
-
-def open_store(url: str | Path, ttl_seconds: float = 7 * 24 * 3600) -> Store:
-    """A store from a URL: a plain path or file:///path (local directory), redis://host:port/db."""
-    text = str(url)
-    if text.startswith(("redis://", "rediss://", "unix://")):
-        from infemeral.storage.redis_store import RedisStore
-
-        return RedisStore(text, ttl_seconds)
-    if text.startswith("file://"):
-        text = text[len("file://"):]
-    elif "://" in text:
-        raise ValueError(f"unsupported store URL {text!r}; use a directory path, file:///path or redis://host:port/db")
-    from infemeral.storage.directory import DirectoryStore
-
-    return DirectoryStore(Path(text), ttl_seconds)
