@@ -17,7 +17,7 @@ from infemeral.audit.vocabulary_matching import match_vocabulary
 from infemeral.cloak.basis import random_orthogonal
 from infemeral.cloak.bundle import ClientBundle, ServerBundle
 from infemeral.client import cli
-from infemeral.client.local_model import ClientModel
+from infemeral.client.model.half import ClientModel
 from infemeral.client.sampling import SamplingParams
 from infemeral.client.sdk import Client
 from infemeral.errors import FailedPrecondition

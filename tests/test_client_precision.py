@@ -16,8 +16,11 @@ from safetensors import safe_open
 from infemeral.cloak.bundle import ClientBundle, ServerBundle
 from infemeral.cloak.prepare import prepare
 from infemeral.cloak.sources import ModelSource
-from infemeral.client import packed, quantize
-from infemeral.client.local_model import ClientModel, resolve_compute
+from infemeral.client.model import packed
+from infemeral.client.model.compute import resolve_compute
+from infemeral.client.model.half import ClientModel
+from infemeral.client.model.tables import Int8TokenTable
+from infemeral.quant.int8 import Int8Linear, dequantize_rows, has_int8_kernel, int8_matmul, quantize_rows
 from infemeral.errors import FailedPrecondition, InfemeralError
 from infemeral.eval import client_precision
 from infemeral.model.layers import LayerStack
@@ -35,10 +38,10 @@ def test_quantize_rows_is_within_half_a_step_and_scales_are_bf16_values():
     torch.manual_seed(0)
     w = torch.randn(300, 64) * torch.logspace(-3, 1, 300).unsqueeze(1)  # rows of very different magnitude
     w[7] = 0.0  # an all-zero row must not divide by zero
-    codes, scales = quantize.quantize_rows(w)
+    codes, scales = quantize_rows(w)
     assert codes.dtype == torch.int8 and scales.dtype == torch.float32
     assert torch.equal(scales, scales.to(torch.bfloat16).float())  # exactly what a bf16 kernel multiplies by
-    error = (quantize.dequantize_rows(codes, scales, torch.float32) - w).abs()
+    error = (dequantize_rows(codes, scales, torch.float32) - w).abs()
     assert (error <= scales.unsqueeze(1) * 0.5 * 1.0001).all()
     assert codes.abs().amax(dim=1)[torch.arange(300) != 7].min() >= 126  # each row uses its range
     assert (codes[7] == 0).all()
@@ -48,10 +51,10 @@ def test_quantize_rows_is_within_half_a_step_and_scales_are_bf16_values():
 @pytest.mark.parametrize("k", [64, 40])  # 40: not a multiple of 16, so the dequantising fallback runs
 def test_int8_matmul_matches_the_dequantised_weights(dtype, k):
     torch.manual_seed(0)
-    codes, scales = quantize.quantize_rows(torch.randn(96, k))
+    codes, scales = quantize_rows(torch.randn(96, k))
     x = torch.randn(9 * k + 3).to(dtype)[3:].view(9, k)  # contiguous but misaligned, as slices can be
-    got = quantize.int8_matmul(x, codes, scales.to(dtype)).float()
-    want = x.float() @ quantize.dequantize_rows(codes, scales, torch.float32).T
+    got = int8_matmul(x, codes, scales.to(dtype)).float()
+    want = x.float() @ dequantize_rows(codes, scales, torch.float32).T
     tol = 0.02 if dtype == torch.bfloat16 else 1e-4
     assert (got - want).abs().max() <= tol * want.abs().max()
 
@@ -61,11 +64,11 @@ def test_an_int8_linear_adds_its_bias(dtype):
     """Qwen-style layers have biases (q/k/v): the int8 linear must add them, in either kernel path."""
     torch.manual_seed(0)
     weight, bias = torch.randn(48, 64), 3 * torch.randn(48)
-    linear = quantize.Int8Linear(64, 48, bias=True)
-    codes, scales = quantize.quantize_rows(weight)
+    linear = Int8Linear(64, 48, bias=True)
+    codes, scales = quantize_rows(weight)
     linear.weight, linear.scale, linear.bias = codes, scales.to(dtype), bias.to(dtype)
     x = torch.randn(2, 5, 64).to(dtype)
-    want = x.float() @ quantize.dequantize_rows(codes, scales, torch.float32).T + bias
+    want = x.float() @ dequantize_rows(codes, scales, torch.float32).T + bias
     got = linear(x).float()
     assert got.shape == (2, 5, 48)
     assert (got - want).abs().max() <= (0.05 if dtype == torch.bfloat16 else 1e-4) * want.abs().max()
@@ -76,7 +79,7 @@ def test_an_int8_client_keeps_the_layer_biases(tmp_path):
     bundle = ClientBundle.open(b.client_dir)
     fp32, int8 = ClientModel(bundle), ClientModel(bundle, quant="int8", dtype="float32")
     biases = {name: m.bias for name, m in int8.layers.named_modules()
-              if isinstance(m, quantize.Int8Linear) and m.bias is not None}
+              if isinstance(m, Int8Linear) and m.bias is not None}
     assert {name.rsplit(".", 1)[-1] for name in biases} == {"q_proj", "k_proj", "v_proj"}
     ids = token_ids(PROMPT_LEN)
     want = fp32.cloak(ids, fp32.new_cache())
@@ -88,7 +91,7 @@ def test_an_int8_client_keeps_the_layer_biases(tmp_path):
 
 
 def test_the_cpu_kernel_is_used_for_bf16():
-    assert quantize.has_int8_kernel("cpu", torch.bfloat16)
+    assert has_int8_kernel("cpu", torch.bfloat16)
 
 
 # -- the client half in each mode, on tiny models ---------------------------------------------------------
@@ -143,9 +146,9 @@ def test_int8_holds_a_tied_table_once_and_a_quarter_of_the_bytes(tiny):
     fp32, bf16, int8 = ClientModel(bundle), ClientModel(bundle, dtype="bfloat16"), ClientModel(bundle, quant="int8")
     for client in (fp32, bf16, int8):
         assert client.head is client.embed
-    assert isinstance(int8.embed, quantize.Int8TokenTable)
+    assert isinstance(int8.embed, Int8TokenTable)
     linears = [m for m in int8.layers.modules() if isinstance(m, torch.nn.Linear)]
-    assert not linears and sum(isinstance(m, quantize.Int8Linear) for m in int8.layers.modules()) == 7
+    assert not linears and sum(isinstance(m, Int8Linear) for m in int8.layers.modules()) == 7
     # bf16 packs its layer weights in blocks of 64 rows: the tiny model's 32-row k/v projections double
     assert bf16.memory_bytes() < 0.6 * fp32.memory_bytes()
     assert int8.memory_bytes() < 0.4 * fp32.memory_bytes()

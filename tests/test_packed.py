@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from infemeral.client import packed
+from infemeral.client.model import packed
 
 PACKS = packed.packs("cpu", torch.bfloat16)
 needs_packing = pytest.mark.skipif(not PACKS, reason="this CPU's oneDNN has no native bf16 kernels")

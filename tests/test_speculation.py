@@ -128,7 +128,7 @@ def tiny(tmp_path_factory, one_thread):
     from infemeral.cloak.bundle import ClientBundle, ServerBundle
     from infemeral.cloak.prepare import prepare
     from infemeral.cloak.sources import ModelSource
-    from infemeral.client.local_model import ClientModel
+    from infemeral.client.model.half import ClientModel
     from infemeral.model.layers import LayerStack
 
     torch.manual_seed(0)

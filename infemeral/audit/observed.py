@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from infemeral.cloak.bundle import DTYPES, ServerBundle
-from infemeral.client.local_model import ClientModel
+from infemeral.client.model.half import ClientModel
 from infemeral.client.prefix import common_prefix
 from infemeral.config import ServerSettings
 from infemeral.errors import InvalidArgument

@@ -20,7 +20,7 @@ from transformers import PretrainedConfig
 
 from infemeral.cloak.bundle import ServerBundle
 from infemeral.cloak.sources import WeightSource, layer_tensors
-from infemeral.client.local_model import ClientModel
+from infemeral.client.model.half import ClientModel
 from infemeral.errors import FailedPrecondition
 from infemeral.kvcache.cache import KVCache
 from infemeral.model.architecture import NORM_FEEDS, WRITES_RESIDUAL

@@ -26,7 +26,7 @@ from infemeral.audit.tables import VocabularyTables
 from infemeral.audit.vocabulary_matching import match_vocabulary
 from infemeral.cloak.bundle import DTYPES, ClientBundle, ServerBundle
 from infemeral.cloak.sources import WeightSource, open_source
-from infemeral.client.local_model import ClientModel
+from infemeral.client.model.half import ClientModel
 from infemeral.errors import FailedPrecondition, InvalidArgument
 
 NO_Q = "public embedding table; no Q"

@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 
 from infemeral.cloak.bundle import ClientBundle
 from infemeral.client.drafting import AnswerIndex, DraftSource, FirstOf, PromptLookup, per_session
-from infemeral.client.local_model import ClientModel
+from infemeral.client.model.half import ClientModel
 from infemeral.client.pending import PendingCommit
 from infemeral.client.prefix import common_prefix
 from infemeral.client.result import TurnResult

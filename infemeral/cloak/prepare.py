@@ -23,7 +23,7 @@ from infemeral.cloak.basis import random_orthogonal
 from infemeral.cloak.rotate import rotate_layer
 from infemeral.cloak.server_config import write_server_config
 from infemeral.cloak.sources import WeightSource, layer_tensors, open_source
-from infemeral.client.quantize import QUANT_MODES, SCALE_SUFFIX, quantize_layer, quantize_rows
+from infemeral.quant.int8 import QUANT_MODES, SCALE_SUFFIX, quantize_layer, quantize_rows
 
 log = logging.getLogger(__name__)
 

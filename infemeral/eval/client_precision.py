@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from infemeral.client.local_model import ClientModel
+from infemeral.client.model.half import ClientModel
 
 MODES = {"bfloat16": dict(dtype="bfloat16"), "float16": dict(dtype="float16"), "int8": dict(quant="int8")}
 PROMPTS = (

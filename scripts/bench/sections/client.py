@@ -104,7 +104,7 @@ def _measure(model: str, clients: dict, reps: int) -> list[ClientStepRow]:
 
 def _default_clients(wb) -> dict:
     from infemeral.cloak.bundle import ClientBundle
-    from infemeral.client.local_model import ClientModel
+    from infemeral.client.model.half import ClientModel
 
     bundle = ClientBundle.open(wb.client_dir)
     return {mode: ClientModel(bundle, device="cpu", **kw) for mode, kw in MODES.items()}
@@ -114,7 +114,7 @@ def _8b_clients() -> dict:
     from transformers import LlamaConfig
 
     from infemeral.cloak.basis import random_orthogonal
-    from infemeral.client.local_model import ClientModel
+    from infemeral.client.model.half import ClientModel
     from infemeral.eval.client_precision import RANDOM_8B, random_client_tensors
 
     config = LlamaConfig(**RANDOM_8B, rope_theta=500000.0, rms_norm_eps=1e-5)

@@ -1,7 +1,8 @@
-"""Int8 weight-only quantisation of the client's half: one scale per output row, torch's own kernel.
+"""Int8 weight-only quantisation: one scale per output row, torch's own kernel.
 
-Per decode token the laptop reads every weight of its LM head and local layers once; at a real
-vocabulary (128,256 rows) that read is the client's cost (DESIGN.md §10). Int8 codes with a scale per
+Shared by the laptop's half (its LM head, token table and local layers) and the server's layers. Per
+decode token the laptop reads every weight of its LM head and local layers once; at a real vocabulary
+(128,256 rows) that read is the client's cost (DESIGN.md §10). Int8 codes with a scale per
 output row halve the read against bf16 and quarter it against fp32. The matmul is torch's
 `aten._weight_int8pack_mm` (activations in the compute dtype, int8 weights [N, K], scales [N]), fast on
 x86 CPUs with bf16 activations. Where it cannot run (no kernel for the device, or a width that is not a
@@ -106,34 +107,3 @@ def use_int8_linears(layer: torch.nn.Module) -> None:
         parent = layer.get_submodule(parent_name)
         with torch.device("meta"):
             setattr(parent, attr, Int8Linear.like(getattr(parent, attr)))
-
-
-class Int8TokenTable:
-    """An int8 [vocab, d] table with per-row scales serving both the embedding lookup and the LM head.
-
-    A tied model keeps one table for both: the lookup dequantises only the rows it reads, the head
-    multiplies by the whole table through the int8 kernel.
-    """
-
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, device: torch.device):
-        self.codes = aligned(codes.to(device))
-        self.scales = scales.to(device, torch.float32)
-        self.kernel_scales = scales.to(device, dtype)
-        self.dtype = dtype
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.codes.shape
-
-    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        return dequantize_rows(self.codes[ids], self.scales[ids], self.dtype)
-
-    def project(self, hidden: torch.Tensor) -> torch.Tensor:
-        return int8_matmul(hidden, self.codes, self.kernel_scales)
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [self.codes, self.scales, self.kernel_scales]
-
-    def dense(self) -> torch.Tensor:
-        """The whole table dequantised to float32 (for analysis, e.g. the privacy audit's norm matching)."""
-        return dequantize_rows(self.codes, self.scales, torch.float32)

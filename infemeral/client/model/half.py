@@ -5,113 +5,27 @@ small KV cache), the secret basis, final norm and LM head. What leaves this
 object for the server is only `hidden @ Q`; what comes back is un-rotated here.
 
 It computes in a dtype, on a device and with weights in full precision or int8
-(`ClientCompute`). The default follows the bundle: a float32 bundle runs in
-float32 on the CPU and stays token-identical to plain transformers; lower
-precision, int8 weights and local accelerators trade that identity for speed,
-and their agreement with float32 is measured (`infemeral.eval.client_precision`).
-On a CPU with native bf16/fp16 kernels those dtypes run on packed weights (`packed.py`).
+as `compute.py` resolves them; its token tables are `tables.py`'s. On a CPU with
+native bf16/fp16 kernels those dtypes run on packed weights (`packed.py`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from safetensors import safe_open
 from transformers import PretrainedConfig
 
-from infemeral.cloak.bundle import DTYPES, ClientBundle, dtype_name
-from infemeral.client import packed, quantize
-from infemeral.errors import FailedPrecondition, InfemeralError
+from infemeral.client.model import packed
+from infemeral.client.model.compute import resolve_compute
+from infemeral.client.model.tables import DenseTokenTable, Int8TokenTable
+from infemeral.cloak.bundle import ClientBundle, dtype_name
 from infemeral.kvcache.cache import KVCache
 from infemeral.model import architecture
 from infemeral.model.layers import LayerStack
+from infemeral.quant import int8
 
-DEVICES = ("auto", "cpu", "cuda", "mps")
-
-
-@dataclass(frozen=True)
-class ClientCompute:
-    """How the client half computes: activation dtype, device, and whether its weights are int8."""
-
-    dtype: torch.dtype
-    device: torch.device
-    quant: str  # "none" or "int8"
-
-    def describe(self) -> str:
-        weights = "int8 weights" if self.quant == "int8" else f"{dtype_name(self.dtype)} weights"
-        return f"{dtype_name(self.dtype)} on {self.device}, {weights}"
-
-
-def auto_device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
-
-
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        return auto_device()
-    if name.split(":")[0] not in DEVICES:
-        raise ValueError(f"client device must be one of {', '.join(DEVICES)}, not {name!r}")
-    device = torch.device(name)
-    available = {"cpu": True, "cuda": torch.cuda.is_available(),
-                 "mps": getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()}
-    if not available[device.type]:
-        raise InfemeralError(f"client device {name!r} is not available to torch on this machine; "
-                             "use --client-device cpu or auto")
-    return device
-
-
-def resolve_compute(stored_dtype: torch.dtype, stored_quant: str, dtype: str = "auto", device: str = "auto",
-                    quant: str = "auto") -> ClientCompute:
-    """Turn the requested settings ("auto" or a name) into a ClientCompute for a bundle stored as given.
-
-    auto quant: what the bundle holds. auto dtype: the bundle's dtype; bfloat16 for int8 weights (the CPU
-    int8 kernel is fast with bf16 activations). auto device: cuda, else mps, else cpu.
-    """
-    if quant not in ("auto", *quantize.QUANT_MODES):
-        raise ValueError(f"client quant must be auto, none or int8, not {quant!r}")
-    if dtype != "auto" and dtype not in DTYPES:
-        raise ValueError(f"client dtype must be auto, {', '.join(DTYPES)}, not {dtype!r}")
-    quant = stored_quant if quant == "auto" else quant
-    if quant == "none" and stored_quant == "int8":
-        raise FailedPrecondition("this client bundle was prepared with --client-quant int8 and holds no "
-                                 "full-precision weights; run with --client-quant int8 (or auto), or prepare the "
-                                 "bundles again without --client-quant to get them back")
-    if dtype == "auto":
-        torch_dtype = torch.bfloat16 if quant == "int8" else stored_dtype
-    else:
-        torch_dtype = DTYPES[dtype]
-    return ClientCompute(torch_dtype, _device(device), quant)
-
-
-class DenseTokenTable:
-    """A [vocab, d] table in the compute dtype; a tied model uses one for its embedding and its head."""
-
-    def __init__(self, weight: torch.Tensor):
-        self.weight = weight
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.weight.shape
-
-    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.weight[ids]
-
-    def project(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weight)  # as transformers' LM head; in bf16 faster than `@ weight.T`
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [self.weight]
-
-    def dense(self) -> torch.Tensor:
-        """The whole table in float32 (for analysis, e.g. the privacy audit's norm matching)."""
-        return self.weight.float()
 
 
 class ClientModel:
@@ -143,7 +57,7 @@ class ClientModel:
         self.packs = not is_int8 and packed.packs(self.device.type, self.dtype)
         per_layer = [self._layer_weights(tensors, i, stored_quant) for i in range(client_layers)]
         self.layers = LayerStack(config, 0, per_layer, dtype=self.dtype, device=self.device,
-                                 adapt_layer=quantize.use_int8_linears if is_int8 else None)
+                                 adapt_layer=int8.use_int8_linears if is_int8 else None)
         del per_layer
         if self.packs:
             packed.pack_linears(self.layers)
@@ -165,17 +79,17 @@ class ClientModel:
         prefix = f"layers.{index}."
         weights = {name[len(prefix):]: tensors[name] for name in tensors.keys() if name.startswith(prefix)}
         if self.compute.quant == "int8" and stored_quant == "none":
-            weights = quantize.quantize_layer(weights)
+            weights = int8.quantize_layer(weights)
         # int8 codes keep their dtype; LayerStack casts the float tensors (norms, scales, biases) to the compute dtype
-        return {k: quantize.aligned(v.to(self.device)) if v.dtype == torch.int8 else v for k, v in weights.items()}
+        return {k: int8.aligned(v.to(self.device)) if v.dtype == torch.int8 else v for k, v in weights.items()}
 
     def _table(self, tensors, name: str, stored_quant: str):
         if self.compute.quant == "int8":
             if stored_quant == "int8":
-                codes, scales = tensors[f"{name}.weight"], tensors[f"{name}{quantize.SCALE_SUFFIX}"]
+                codes, scales = tensors[f"{name}.weight"], tensors[f"{name}{int8.SCALE_SUFFIX}"]
             else:
-                codes, scales = quantize.quantize_rows(tensors[f"{name}.weight"])
-            return quantize.Int8TokenTable(codes, scales, self.dtype, self.device)
+                codes, scales = int8.quantize_rows(tensors[f"{name}.weight"])
+            return Int8TokenTable(codes, scales, self.dtype, self.device)
         return DenseTokenTable(tensors[f"{name}.weight"].to(self.device, self.dtype))
 
     @property

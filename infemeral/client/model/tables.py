@@ -1,0 +1,67 @@
+"""Token tables: one [vocab, d] table serves the embedding lookup and, for a tied model, the LM head.
+
+Dense in the compute dtype, or int8 codes with a scale per row (`infemeral.quant.int8`): the lookup
+dequantises only the rows it reads, the head multiplies by the whole table through the int8 kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from infemeral.quant.int8 import aligned, dequantize_rows, int8_matmul
+
+
+class DenseTokenTable:
+    """A [vocab, d] table in the compute dtype; a tied model uses one for its embedding and its head."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.weight.shape
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.weight[ids]
+
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.weight)  # as transformers' LM head; in bf16 faster than `@ weight.T`
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.weight]
+
+    def dense(self) -> torch.Tensor:
+        """The whole table in float32 (for analysis, e.g. the privacy audit's norm matching)."""
+        return self.weight.float()
+
+
+class Int8TokenTable:
+    """An int8 [vocab, d] table with per-row scales serving both the embedding lookup and the LM head.
+
+    A tied model keeps one table for both: the lookup dequantises only the rows it reads, the head
+    multiplies by the whole table through the int8 kernel.
+    """
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, device: torch.device):
+        self.codes = aligned(codes.to(device))
+        self.scales = scales.to(device, torch.float32)
+        self.kernel_scales = scales.to(device, dtype)
+        self.dtype = dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        return dequantize_rows(self.codes[ids], self.scales[ids], self.dtype)
+
+    def project(self, hidden: torch.Tensor) -> torch.Tensor:
+        return int8_matmul(hidden, self.codes, self.kernel_scales)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.codes, self.scales, self.kernel_scales]
+
+    def dense(self) -> torch.Tensor:
+        """The whole table dequantised to float32 (for analysis, e.g. the privacy audit's norm matching)."""
+        return dequantize_rows(self.codes, self.scales, torch.float32)

@@ -1,0 +1,1 @@
+"""Weight-only quantization of decoder weights: codes and scales, and the linears that multiply by them."""
