@@ -161,16 +161,52 @@ class PagePool:
     def release(self, pages: list[int], regrant: int = 0) -> None:
         """Wipe pages and return them to the pool; `regrant` of them stay promised to their turn's grant
         (negative: also cancel that many unused promised pages)."""
-        if pages:
-            index = torch.tensor(pages, device=self.device)
-            for store in (self.k, self.v):
-                for t in store:
-                    t.index_fill_(0, index, 0)
+        self.zero(pages)
         with self._cond:
             for p in pages:
                 heapq.heappush(self._free, p)
             self._promised += regrant
             self._cond.notify_all()
+
+    # -- what is in the pages: every read and write of keys/values outside a forward pass goes through here
+    # (a tensor-parallel pool sends each to the other ranks, which hold the other KV heads of the same pages)
+    def slots(self, pages: list[int], start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(page ids, offsets) of positions [start, end) of a sequence whose block table is `pages`."""
+        pos = torch.arange(start, end)
+        table = torch.tensor(pages, dtype=torch.long)
+        return table[pos // self.page_size].to(self.device), (pos % self.page_size).to(self.device)
+
+    def read(self, slot: int, pages: list[int], start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [kv_heads, end - start, head_dim] of positions [start, end) (a copy)."""
+        return self._read(slot, *self.slots(pages, start, end))
+
+    def write(self, slot: int, pages: list[int], start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write keys/values [kv_heads, n, head_dim] at positions start.. (the pages must be the sequence's)."""
+        self._write(slot, *self.slots(pages, start, start + keys.shape[1]), keys, values)
+
+    def move(self, pages: list[int], start: int, end: int, to: int, rekey) -> None:
+        """In every layer, move positions [start, end) to `to`.. with their keys passed through `rekey` (a
+        window slide: `to` < `start`, so every position is read before it is overwritten)."""
+        source, target = self.slots(pages, start, end), self.slots(pages, to, to + end - start)
+        for slot in range(self.num_layers):
+            k, v = self._read(slot, *source)
+            self._write(slot, *target, rekey(k), v)
+
+    def zero(self, pages: list[int]) -> None:
+        """Zero whole pages in every layer (pages going back to the pool)."""
+        if pages:
+            index = torch.tensor(pages, device=self.device)
+            for store in (self.k, self.v):
+                for t in store:
+                    t.index_fill_(0, index, 0)
+
+    def _read(self, slot: int, pages: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[slot][pages, offsets].transpose(0, 1), self.v[slot][pages, offsets].transpose(0, 1)
+
+    def _write(self, slot: int, pages: torch.Tensor, offsets: torch.Tensor, keys: torch.Tensor,
+               values: torch.Tensor) -> None:
+        self.k[slot][pages, offsets] = keys.transpose(0, 1).to(self.dtype)
+        self.v[slot][pages, offsets] = values.transpose(0, 1).to(self.dtype)
 
 
 class PagedSequence:
@@ -245,25 +281,18 @@ class PagedSequence:
 
     def slots(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(page ids, offsets) of positions [start, end)."""
-        pos = torch.arange(start, end)
-        table = torch.tensor(self.pages, dtype=torch.long)
-        return table[pos // self.pool.page_size].to(self.pool.device), (pos % self.pool.page_size).to(self.pool.device)
+        return self.pool.slots(self.pages, start, end)
 
     def page_table(self) -> torch.Tensor:
         return torch.tensor(self.pages[: self.pool.pages_for(self.length)], dtype=torch.long, device=self.pool.device)
 
     def write(self, slot: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Write [kv_heads, n, head_dim] keys/values at positions start.. (pages must be reserved)."""
-        pages, offsets = self.slots(start, start + keys.shape[1])
-        self.pool.k[slot][pages, offsets] = keys.transpose(0, 1).to(self.dtype)
-        self.pool.v[slot][pages, offsets] = values.transpose(0, 1).to(self.dtype)
+        self.pool.write(slot, self.pages, start, keys, values)
 
     # -- the KVSequence interface used by the store, the window and the engine ----------------------------
     def layer_tensors(self, slot: int, start: int = 0, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        end = self.length if end is None else end
-        pages, offsets = self.slots(start, end)
-        return (self.pool.k[slot][pages, offsets].transpose(0, 1),
-                self.pool.v[slot][pages, offsets].transpose(0, 1))
+        return self.pool.read(slot, self.pages, start, self.length if end is None else end)
 
     def load_layer(self, slot: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         self.reserve(keys.shape[1])
@@ -283,10 +312,7 @@ class PagedSequence:
         """Drop positions [start, start + count), move later ones down (re-keyed), free whole pages."""
         if start + count > self.length:
             raise ValueError(f"cannot evict {count} tokens from {start} in a cache of {self.length}")
-        end = self.length
-        for slot in range(self.num_layers):
-            k, v = self.layer_tensors(slot, start + count, end)
-            self.write(slot, start, rekey(k.clone()), v.clone())
+        self.pool.move(self.pages, start + count, self.length, start, rekey)
         self.length -= count
         self.committed_length = min(self.committed_length, start)
         self._trim()

@@ -14,6 +14,7 @@ with the same policy before the same step, so both caches always agree.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from transformers import PretrainedConfig
@@ -85,9 +86,17 @@ def rerotate(keys: torch.Tensor, shift: int, inv_freq: torch.Tensor) -> torch.Te
     return (work * cos + rotated_half * sin).to(keys.dtype)
 
 
+def unchanged(keys: torch.Tensor) -> torch.Tensor:
+    return keys
+
+
 def apply_window(cache: KVCache, policy: WindowPolicy, incoming: int, inv_freq: torch.Tensor) -> int:
-    """Make room for `incoming` tokens; return how many tokens were evicted (0 if none)."""
+    """Make room for `incoming` tokens; return how many tokens were evicted (0 if none).
+
+    The re-keying is a plain function of the keys (picklable: a tensor-parallel server sends it to every
+    rank, each of which re-keys its own KV heads)."""
     evict = policy.tokens_to_evict(cache.length, incoming)
     if evict:
-        cache.evict(policy.sink_tokens, evict, lambda k: rerotate(k, -evict, inv_freq) if policy.rerotate else k)
+        rekey = partial(rerotate, shift=-evict, inv_freq=inv_freq) if policy.rerotate else unchanged
+        cache.evict(policy.sink_tokens, evict, rekey)
     return evict

@@ -50,9 +50,9 @@ class ModelRunner:
         window = config.window
         self.inv_freq = (rope_shift_frequencies(self.layers.rotary, model, window.max_context)
                          if window.enabled else None)  # pure RoPE angles, for re-keying after evictions
-        self.pool = PagePool(config.num_pages, window.page_size, bundle.first_layer, bundle.num_layers,
-                             model.num_key_value_heads, head_dim(model), self.dtype, self.device,
-                             max_waiting=config.max_waiting_turns)
+        self.pool = self.new_pool(config.num_pages, window.page_size, bundle.first_layer, bundle.num_layers,
+                                  model.num_key_value_heads, head_dim(model), self.dtype, self.device,
+                                  max_waiting=config.max_waiting_turns)
         self.backend = select_backend(config.attention_backend, self.device, model.num_attention_heads,
                                       model.num_key_value_heads, head_dim(model), window.page_size, self.dtype)
 
@@ -61,7 +61,7 @@ class ModelRunner:
         """Append each step's positions to its cache; return its last `num_outputs` residuals, on the CPU,
         or None for a step whose activations overflowed to inf/NaN anywhere (outputs or keys/values)."""
         batch = PagedBatch(self.pool, caches, [h.shape[0] for h in hidden], self.backend)
-        out = self.layers.forward_batch(torch.cat([h.to(self.dtype) for h in hidden]), batch)  # [sum n_i, d]
+        out = self.forward(torch.cat([h.to(self.dtype) for h in hidden]), batch)  # [sum n_i, d]
         ends = batch.qo_indptr.tolist()[1:]
         is_finite = self._finite_steps(batch, out, [0] + ends)
         rows = [row for end, k in zip(ends, num_outputs) for row in range(end - k, end)]
@@ -69,6 +69,14 @@ class ModelRunner:
         answers = out.index_select(0, torch.tensor(rows, device=out.device)).to("cpu")
         # each session's rows in a tensor of its own
         return [a.clone() if ok else None for a, ok in zip(answers.split(num_outputs), is_finite)]
+
+    def new_pool(self, *args, **kwargs) -> PagePool:
+        """The page pool (a tensor-parallel runner's sends its page operations to the other ranks)."""
+        return PagePool(*args, **kwargs)
+
+    def forward(self, hidden: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
+        """The served layers over one batch (a tensor-parallel runner first hands the batch to the other ranks)."""
+        return self.layers.forward_batch(hidden, batch)
 
     def _finite_steps(self, batch: PagedBatch, out: torch.Tensor, bounds: list[int]) -> list[bool]:
         """Per step: every output row of every new position is finite, and so is every key and value the step
