@@ -11,7 +11,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 
-from infemeral.client.draft_model import DraftModel, check_same_tokenizer, tokenizer_mismatch
+from infemeral.speculation.draft_model import DraftModel, check_same_tokenizer, tokenizer_mismatch
 from infemeral.errors import FailedPrecondition
 
 WORDS = [f"w{i}" for i in range(29)]

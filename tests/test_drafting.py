@@ -9,7 +9,10 @@ import threading
 
 import numpy as np
 
-from infemeral.client.drafting import SEPARATOR, AnswerIndex, DraftSource, FirstOf, PromptLookup, suffix_matches
+from infemeral.speculation.answer_index import AnswerIndex
+from infemeral.speculation.matching import SEPARATOR, suffix_matches
+from infemeral.speculation.prompt_lookup import PromptLookup
+from infemeral.speculation.source import DraftSource, FirstOf
 
 
 def test_prompt_lookup_copies_what_followed_the_last_tokens():
@@ -190,7 +193,7 @@ def test_a_damaged_answer_index_file_is_cut_back_to_its_last_whole_answer(tmp_pa
     }
     for name, data in cases.items():
         path.write_bytes(data)
-        with caplog.at_level(logging.WARNING, logger="infemeral.client.drafting"):
+        with caplog.at_level(logging.WARNING, logger="infemeral.speculation.answer_index"):
             loaded = AnswerIndex(path, vocab_size=1_000)
         assert loaded.corpus.tolist() == [100, 101, 102, 103, SEPARATOR, 200, 201, 202, SEPARATOR], name
         assert "was damaged" in caplog.text, name

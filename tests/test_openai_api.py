@@ -29,8 +29,8 @@ import pytest
 
 from conftest import StoredSession, free_port, start_server
 from http_endpoint import Uvicorn, post
-from infemeral.client.draft_model import DraftModel
-from infemeral.client.drafting import AnswerIndex
+from infemeral.speculation.draft_model import DraftModel
+from infemeral.speculation.answer_index import AnswerIndex
 from infemeral.client.openai_api import bundle_model_name, create_app
 from infemeral.client.sampling import SamplingParams
 from infemeral.client.sdk import Client

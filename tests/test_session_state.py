@@ -19,7 +19,7 @@ import torch
 
 from faults import TurnFault
 from conftest import start_server
-from infemeral.client.prefix import common_prefix
+from infemeral.kvcache.prefix import common_prefix
 from infemeral.client.sampling import SamplingParams
 from infemeral.client.sdk import Client, Session
 from infemeral.errors import Aborted, StatusError

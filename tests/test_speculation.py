@@ -16,7 +16,9 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from infemeral.client.sampling import Sampler, SamplingParams
-from infemeral.client.speculation import DraftLength, StepCost, accept_drafts, expected_tokens
+from infemeral.speculation.acceptance import accept_drafts
+from infemeral.speculation.draft_length import DraftLength, expected_tokens
+from infemeral.speculation.step_cost import StepCost
 
 # -- a toy "model": logits as a fixed function of the context, so any decoding order sees the same numbers --
 

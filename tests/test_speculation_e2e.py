@@ -17,8 +17,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from faults import TurnFault
 from conftest import start_server
-from infemeral.client.draft_model import DraftModel
-from infemeral.client.drafting import AnswerIndex
+from infemeral.speculation.draft_model import DraftModel
+from infemeral.speculation.answer_index import AnswerIndex
 from infemeral.client.sampling import SamplingParams
 from infemeral.client.sdk import Client
 from infemeral.errors import StatusError

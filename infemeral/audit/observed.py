@@ -16,7 +16,7 @@ import torch
 
 from infemeral.cloak.bundle import DTYPES, ServerBundle
 from infemeral.client.model.half import ClientModel
-from infemeral.client.prefix import common_prefix
+from infemeral.kvcache.prefix import common_prefix
 from infemeral.config import ServerSettings
 from infemeral.errors import InvalidArgument
 from infemeral.model.layers import LayerStack

@@ -173,7 +173,7 @@ def cmd_prepare(args) -> int:
 
 
 def _client(settings: ClientSettings):
-    from infemeral.client.drafting import AnswerIndex
+    from infemeral.speculation.answer_index import AnswerIndex
     from infemeral.client.sdk import Client
 
     if settings.speculate == "draft" and settings.draft_model is None:
@@ -189,7 +189,7 @@ def _client(settings: ClientSettings):
             client.answer_index = AnswerIndex.for_tokenizer(settings.answer_index_dir, client.tokenizer,
                                                             max_tokens=settings.answer_index_tokens)
         if settings.speculate == "draft":
-            from infemeral.client.draft_model import DraftModel
+            from infemeral.speculation.draft_model import DraftModel
 
             client.draft_model = DraftModel.load(settings.draft_model, client.tokenizer)
     except BaseException:

@@ -27,18 +27,20 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from infemeral.cloak.bundle import ClientBundle
-from infemeral.client.drafting import AnswerIndex, DraftSource, FirstOf, PromptLookup, per_session
 from infemeral.client.model.half import ClientModel
 from infemeral.client.pending import PendingCommit
-from infemeral.client.prefix import common_prefix
+from infemeral.kvcache.prefix import common_prefix
 from infemeral.client.result import TurnResult
 from infemeral.client.sampling import SamplingParams
-from infemeral.client.speculation import DraftLength, StepCost
 from infemeral.client.template import ChatTemplate
 from infemeral.client.turn import TurnLoop, open_turn
 from infemeral.errors import Aborted, FailedPrecondition, InfemeralError, NoChatTemplate, from_rpc_error
 from infemeral.protocol import pb, pb_grpc
 from infemeral.protocol.tensors import WIRE_DTYPES
+from infemeral.speculation.answer_index import AnswerIndex
+from infemeral.speculation.draft_length import DraftLength
+from infemeral.speculation.source import DraftSource, per_session, session_source
+from infemeral.speculation.step_cost import StepCost
 from infemeral.transport import client_channel
 
 SESSION_FILE_FORMAT = "infemeral-session"
@@ -103,7 +105,7 @@ class Client:
                 len(self.tokenizer), self.model.config.vocab_size))
         self.answer_index: AnswerIndex | None = answer_index
         if draft_model is not None and not isinstance(draft_model, DraftSource):
-            from infemeral.client.draft_model import DraftModel
+            from infemeral.speculation.draft_model import DraftModel
 
             draft_model = DraftModel.load(draft_model, self.tokenizer)
         self.draft_model: DraftSource | None = draft_model
@@ -255,21 +257,12 @@ class Session:
     def draft_source(self, speculate: str) -> DraftSource | None:
         """Where this session's drafts come from: the conversation first, then the client's earlier answers,
         then the draft model (through this session's own fork of it)."""
-        if speculate == "off":
-            return None
-        client = self.client
-        sources: list[DraftSource] = [PromptLookup()]
-        if client.answer_index is not None:
-            sources.append(client.answer_index)
-        if speculate == "draft":
-            if client.draft_model is None:
-                raise InfemeralError("speculate='draft' needs a draft model (a small local model with this model's "
-                                     "tokenizer): Client(draft_model=PATH), or --draft-model PATH on the command "
-                                     "line; or use speculate='ngram'")
-            if self._draft_model is None or self._draft_model_of is not client.draft_model:
+        client, draft_model = self.client, None
+        if speculate == "draft" and client.draft_model is not None:
+            if self._draft_model_of is not client.draft_model:
                 self._draft_model, self._draft_model_of = per_session(client.draft_model), client.draft_model
-            sources.append(self._draft_model)
-        return sources[0] if len(sources) == 1 else FirstOf(*sources)
+            draft_model = self._draft_model
+        return session_source(speculate, client.answer_index, draft_model)
 
     def settle_pending(self) -> None:
         """Ask the server whether the turn whose commit reply was lost did commit; adopt it if so."""

@@ -22,7 +22,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from infemeral.client.prefix import common_prefix
+from infemeral.kvcache.prefix import common_prefix
 from infemeral.errors import InfemeralError
 
 log = logging.getLogger(__name__)

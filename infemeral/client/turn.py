@@ -38,17 +38,17 @@ from collections.abc import Callable, Iterator
 import grpc
 import torch
 
-from infemeral.client.drafting import DraftSource
 from infemeral.client.keepalive import KeepAlive
 from infemeral.client.pending import PendingCommit, committed_copy
 from infemeral.client.result import TurnResult
 from infemeral.client.sampling import Sampler, SamplingParams
-from infemeral.client.speculation import accept_drafts
 from infemeral.errors import Aborted, ResourceExhausted, StatusError, from_rpc_error
 from infemeral.kvcache.cache import KVCache
 from infemeral.kvcache.window import WindowPolicy, apply_window
 from infemeral.protocol import pb
 from infemeral.protocol.tensors import from_proto, to_proto
+from infemeral.speculation.acceptance import accept_drafts
+from infemeral.speculation.source import DraftSource
 
 log = logging.getLogger(__name__)
 RETRY_AFTER_KEY = "retry-after-ms"  # the server's hint on RESOURCE_EXHAUSTED (infemeral.server.turn_call)

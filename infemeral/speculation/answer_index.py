@@ -1,31 +1,8 @@
-"""Draft sources for speculative decoding: guesses of the next few tokens, checked by the real model.
+"""Drafts from the client's own earlier answers, across sessions (SuffixDecoding-style).
 
-A draft costs one round trip less for every token the model agrees with and
-almost nothing when it is wrong (the server verifies k+1 positions in about
-the time of one), so the guesses only have to be cheap and sometimes right.
-Every source answers one question — `propose(context_ids, max_draft)`: which
-tokens probably follow `context_ids`? — and may answer with nothing.
-
-- `PromptLookup` copies from the conversation itself (prompt and answer so
-  far): if the last few tokens appeared before, what followed them then is
-  the draft. Free, and very good when the answer quotes, copies or edits
-  the prompt.
-- `AnswerIndex` does the same over the client's own earlier answers, across
-  sessions (SuffixDecoding-style), kept on the laptop; it helps open chat,
-  where the prompt rarely holds the answer but answers repeat themselves.
-- `infemeral.client.draft_model.DraftModel` asks a small local model.
-
-Sources are shared by every session of a `Client`, and sessions run in
-parallel threads (the OpenAI endpoint answers requests at once). A source
-that remembers the conversation it drafts for — a draft model's KV cache —
-therefore offers `fork()`: the same read-only parts with a state of its own,
-and each session drafts through its own fork (`per_session`), so that no
-draft ever depends on another session. The answer index is shared on
-purpose (that is its point) and is safe under threads.
-
-Matching is a vectorised scan over a token array (numpy), not a suffix tree:
-for the sizes a laptop keeps (a few hundred thousand tokens) a scan per step
-takes well under a millisecond and needs no index to build or store.
+It helps open chat, where the prompt rarely holds the answer but answers
+repeat themselves. The index is kept on the laptop, in an owner-only file, and
+matched like the conversation is (`matching.py`).
 """
 
 from __future__ import annotations
@@ -38,103 +15,12 @@ import tempfile
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-SEPARATOR = -1  # between answers in an AnswerIndex; never a token id
+from infemeral.speculation.matching import SEPARATOR, continuation, suffix_matches
 
 log = logging.getLogger(__name__)
-
-
-@runtime_checkable
-class DraftSource(Protocol):
-    """Proposes up to `max_draft` tokens that may follow `context_ids` (possibly none)."""
-
-    name: str
-    is_free: bool  # proposing costs (almost) nothing, so it may be tried on every step
-
-    def propose(self, context_ids: Sequence[int], max_draft: int) -> list[int]: ...
-
-
-def per_session(source: DraftSource) -> DraftSource:
-    """`source` as one session drafts with it: a source with a state of its own per conversation (`fork()`)
-    is forked, so that sessions never share that state; a stateless source is shared as it is."""
-    fork = getattr(source, "fork", None)
-    return fork() if callable(fork) else source
-
-
-def suffix_matches(corpus: np.ndarray, tail: np.ndarray, *, min_match: int, max_match: int,
-                   limit: int) -> tuple[np.ndarray, int]:
-    """Where the longest suffix of `tail` (between min_match and max_match tokens) ends in `corpus`.
-
-    Returns the positions p of the match's last token (each with at least one token after it, most
-    recent `limit` only) and the match length; no positions if even `min_match` tokens do not match."""
-    n = min(max_match, len(tail))
-    if n < min_match or len(corpus) < 2:
-        return np.empty(0, dtype=np.int64), 0
-    ends = np.flatnonzero(corpus[:-1] == tail[-1])[-limit:]
-    best, length = ends, 1
-    for j in range(1, n):
-        ends = ends[ends >= j]
-        ends = ends[corpus[ends - j] == tail[-1 - j]]
-        if len(ends) == 0:
-            break
-        best, length = ends, j + 1
-    if length < min_match or len(best) == 0:
-        return np.empty(0, dtype=np.int64), 0
-    return best, length
-
-
-def continuation(corpus: np.ndarray, ends: np.ndarray, max_draft: int, min_support: float) -> list[int]:
-    """The most common continuation after the matched positions, token by token.
-
-    Each token is the one most matches continue with (ties: the most recent); matches that
-    disagree drop out. Drafting stops when the surviving share of the original matches falls
-    below `min_support` — a disputed continuation is a poor guess."""
-    draft: list[int] = []
-    total = len(ends)
-    for i in range(1, max_draft + 1):
-        pos = ends + i
-        keep = pos < len(corpus)
-        ends, pos = ends[keep], pos[keep]
-        if len(ends) == 0:
-            break
-        tokens = corpus[pos]
-        keep = tokens != SEPARATOR
-        ends, tokens = ends[keep], tokens[keep]
-        if len(ends) == 0:
-            break
-        values, counts = np.unique(tokens, return_counts=True)
-        top = counts.max()
-        if top / total < min_support:
-            break
-        tied = values[counts == top]
-        token = tied[0] if len(tied) == 1 else tokens[::-1][np.isin(tokens[::-1], tied)][0]
-        ends = ends[tokens == token]
-        draft.append(int(token))
-    return draft
-
-
-class PromptLookup:
-    """Drafts by copying from the conversation's own tokens (prompt lookup decoding, n-gram matching).
-
-    The longest suffix of the context (up to `max_match` tokens, at least `min_match`) that occurred
-    earlier in the context is looked up; the tokens that followed it are the draft."""
-
-    name = "ngram"
-    is_free = True
-
-    def __init__(self, *, min_match: int = 2, max_match: int = 8, min_support: float = 0.5, limit: int = 64):
-        self.min_match, self.max_match, self.min_support, self.limit = min_match, max_match, min_support, limit
-
-    def propose(self, context_ids: Sequence[int], max_draft: int) -> list[int]:
-        if max_draft <= 0 or len(context_ids) < 2:
-            return []
-        corpus = np.asarray(context_ids, dtype=np.int64)
-        ends, _ = suffix_matches(corpus, corpus[-self.max_match:], min_match=self.min_match,
-                                 max_match=self.max_match, limit=self.limit)
-        return continuation(corpus, ends, max_draft, self.min_support) if len(ends) else []
 
 
 class AnswerIndex:
@@ -255,22 +141,6 @@ class AnswerIndex:
         seps = np.flatnonzero(corpus[start - 1:] == SEPARATOR)  # cut at an answer boundary
         cut = start - 1 + int(seps[0]) + 1 if len(seps) else len(corpus)
         return corpus[cut:]
-
-
-class FirstOf:
-    """Several sources in order of preference: the first that proposes anything wins."""
-
-    def __init__(self, *sources: DraftSource):
-        self.sources = list(sources)
-        self.name = "+".join(s.name for s in sources)
-        self.is_free = all(s.is_free for s in sources)
-
-    def propose(self, context_ids: Sequence[int], max_draft: int) -> list[int]:
-        for source in self.sources:
-            draft = source.propose(context_ids, max_draft)
-            if draft:
-                return draft
-        return []
 
 
 def tokenizer_fingerprint(tokenizer) -> str:

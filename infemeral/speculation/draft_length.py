@@ -1,56 +1,15 @@
-"""Speculative decoding on the client: how many drafts to send, and which of them to keep.
+"""How many drafts the next step should carry (DESIGN.md §9).
 
-A step sends the last sampled token plus k drafted tokens and gets the model's
-output at all k+1 positions back in one round trip. Position i's output is the
-target distribution p_i of the token after draft i, so the drafts can be
-checked in order:
-
-    keep draft d_i while the token the sampler draws from p_i equals d_i;
-    the first draw that differs (or the draw after the last draft) is the next token.
-
-With greedy decoding the draw is the argmax, so this keeps exactly the tokens
-that decoding one at a time would produce. With sampling it is the
-speculative-sampling rule for a point-mass draft: the draw x ~ p_i equals d_i
-with probability p_i(d_i) (accept), and given x != d_i it is distributed as p_i
-with d_i removed and renormalised (the residual) — so every emitted token has
-the target distribution. Because each position consumes exactly one draw from
-the sampler's generator, in order, a fixed seed reproduces the same output
-whatever was drafted (the logits of a k+1-position step can differ from
-one-at-a-time ones in the last bits, like any change of matmul shape).
-
-The draft length k adapts (`DraftLength`): it weighs the measured acceptance
-of recent drafts against the measured cost of extra positions in a step, and
-drops to 0 — a plain one-token step — when drafts do not pay for themselves.
+The draft length k adapts: it weighs the measured acceptance of recent drafts
+against the measured cost of extra positions in a step (`StepCost`), and drops
+to 0 — a plain one-token step — when drafts do not pay for themselves.
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import torch
-
-Draw = Callable[[torch.Tensor, list[int]], int]  # (logits [vocab], context ids) -> token, e.g. a Sampler
-
-
-def accept_drafts(draw: Draw, logits: torch.Tensor, context_ids: Sequence[int], drafts: Sequence[int]) -> list[int]:
-    """The accepted drafts followed by one token of the model's own.
-
-    `logits` [len(drafts) + 1, vocab]: row i is the model's output after the step's first token
-    and drafts[:i]; `context_ids` ends with the step's first token. The sampler sees the context
-    including every accepted draft (repetition penalty)."""
-    if logits.shape[0] != len(drafts) + 1:
-        raise ValueError(f"{len(drafts)} drafts need {len(drafts) + 1} rows of logits, got {logits.shape[0]}")
-    context = list(context_ids)
-    out: list[int] = []
-    for i, row in enumerate(logits):
-        token = draw(row, context)
-        out.append(token)
-        if i == len(drafts) or token != drafts[i]:
-            break
-        context.append(token)
-    return out
+from infemeral.speculation.step_cost import StepCost
 
 
 def expected_tokens(acceptance: float, num_drafts: int) -> float:
@@ -147,38 +106,3 @@ class DraftLength:
     def _decay(self) -> None:
         self._accepted *= self.decay
         self._rejected *= self.decay
-
-
-class StepCost:
-    """What one more position in a step costs, relative to a one-token step: r = b / (a + b) from a
-    running weighted least-squares fit of step time t ≈ a + b·n over recent steps (older ones fade).
-
-    Until the steps seen vary enough in size to fit a slope, the prior holds: on a 2-core CPU
-    serving the default model locally a step of 9 positions took about twice one of 1 (r ≈ 0.1);
-    over a WAN the round trip makes r much smaller. Safe to share between threads."""
-
-    def __init__(self, prior: float = 0.1, decay: float = 0.98, min_spread: float = 0.5):
-        self.prior, self.decay, self.min_spread = prior, decay, min_spread
-        self.w = self.n = self.t = self.nn = self.nt = 0.0
-        self._lock = threading.Lock()
-
-    def add(self, n: int, t: float) -> None:
-        d = self.decay
-        with self._lock:
-            self.w, self.n, self.t = self.w * d + 1, self.n * d + n, self.t * d + t
-            self.nn, self.nt = self.nn * d + n * n, self.nt * d + n * t
-
-    def ratio(self) -> float:
-        with self._lock:
-            w, n, t, nn, nt = self.w, self.n, self.t, self.nn, self.nt
-        if w < 4:
-            return self.prior
-        mean_n, mean_t = n / w, t / w
-        var = nn / w - mean_n ** 2
-        if var < self.min_spread ** 2 or mean_t <= 0:
-            return self.prior  # all steps about the same size: the slope is unknown
-        slope = (nt / w - mean_n * mean_t) / var
-        one = mean_t + slope * (1 - mean_n)  # predicted time of a 1-token step
-        if one <= 0:
-            return self.prior
-        return min(max(slope / one, 0.0), 1.0)

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from infemeral.errors import FailedPrecondition
+from infemeral.kvcache.prefix import common_prefix
 
 
 def tokenizer_mismatch(target, draft) -> str | None:
@@ -113,11 +114,7 @@ class DraftModel:
         """Bring the cache to `context` minus its last token, run that token; logits after it."""
         from transformers import DynamicCache
 
-        keep = 0
-        for a, b in zip(self._seen, context[:-1]):
-            if a != b:
-                break
-            keep += 1
+        keep = common_prefix(self._seen, context[:-1])
         if keep < len(self._seen) and keep > 0:
             try:
                 self._cache.crop(keep - len(self._seen))  # a negative count: drop that many from the end

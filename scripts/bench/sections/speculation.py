@@ -51,8 +51,8 @@ class SpecRow:
 def run(wb) -> Result:
     from delay_proxy import DelayProxy
 
-    from infemeral.client.draft_model import DraftModel
-    from infemeral.client.drafting import AnswerIndex
+    from infemeral.speculation.draft_model import DraftModel
+    from infemeral.speculation.answer_index import AnswerIndex
     from infemeral.client.sdk import Client
 
     n = wb.params.spec_tokens

@@ -1,0 +1,79 @@
+"""Where drafts come from: the `DraftSource` protocol, and the sources a session drafts from, in order.
+
+A draft costs one round trip less for every token the model agrees with and
+almost nothing when it is wrong (the server verifies k+1 positions in about
+the time of one), so the guesses only have to be cheap and sometimes right.
+Every source answers one question — `propose(context_ids, max_draft)`: which
+tokens probably follow `context_ids`? — and may answer with nothing:
+
+- `PromptLookup` (`prompt_lookup.py`) copies from the conversation itself;
+- `AnswerIndex` (`answer_index.py`) from the client's own earlier answers;
+- `DraftModel` (`draft_model.py`) asks a small local model.
+
+Sources are shared by every session of a client, and sessions run in parallel
+threads (the OpenAI endpoint answers requests at once). A source that
+remembers the conversation it drafts for — a draft model's KV cache — therefore
+offers `fork()`: the same read-only parts with a state of its own, and each
+session drafts through its own fork (`per_session`), so that no draft ever
+depends on another session. The answer index is shared on purpose (that is
+its point) and is safe under threads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+from infemeral.errors import InfemeralError
+from infemeral.speculation.prompt_lookup import PromptLookup
+
+
+@runtime_checkable
+class DraftSource(Protocol):
+    """Proposes up to `max_draft` tokens that may follow `context_ids` (possibly none)."""
+
+    name: str
+    is_free: bool  # proposing costs (almost) nothing, so it may be tried on every step
+
+    def propose(self, context_ids: Sequence[int], max_draft: int) -> list[int]: ...
+
+
+def per_session(source: DraftSource) -> DraftSource:
+    """`source` as one session drafts with it: a source with a state of its own per conversation (`fork()`)
+    is forked, so that sessions never share that state; a stateless source is shared as it is."""
+    fork = getattr(source, "fork", None)
+    return fork() if callable(fork) else source
+
+
+class FirstOf:
+    """Several sources in order of preference: the first that proposes anything wins."""
+
+    def __init__(self, *sources: DraftSource):
+        self.sources = list(sources)
+        self.name = "+".join(s.name for s in sources)
+        self.is_free = all(s.is_free for s in sources)
+
+    def propose(self, context_ids: Sequence[int], max_draft: int) -> list[int]:
+        for source in self.sources:
+            draft = source.propose(context_ids, max_draft)
+            if draft:
+                return draft
+        return []
+
+
+def session_source(speculate: str, answer_index: DraftSource | None = None,
+                   draft_model: DraftSource | None = None) -> DraftSource | None:
+    """Where one session's drafts come from under `speculate` ("ngram", "draft" or "off"): the conversation
+    first, then the client's earlier answers, then the draft model (the session's own fork of it)."""
+    if speculate == "off":
+        return None
+    sources: list[DraftSource] = [PromptLookup()]
+    if answer_index is not None:
+        sources.append(answer_index)
+    if speculate == "draft":
+        if draft_model is None:
+            raise InfemeralError("speculate='draft' needs a draft model (a small local model with this model's "
+                                 "tokenizer): Client(draft_model=PATH), or --draft-model PATH on the command "
+                                 "line; or use speculate='ngram'")
+        sources.append(draft_model)
+    return sources[0] if len(sources) == 1 else FirstOf(*sources)
