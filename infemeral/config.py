@@ -60,6 +60,15 @@ class ServerSettings(BaseSettings):
                                                              "turns alive")
     max_turn_seconds: float = Field(3600.0, gt=0, description="a turn open longer than this is aborted the same way "
                                                               "(above the SDK's default 600 s turn deadline)")
+    tensor_parallel: int = Field(1, ge=1, description="ranks the served layers are split over (tensor parallelism), "
+                                                      "one per GPU (cuda:0..N-1; on a machine without CUDA, N CPU "
+                                                      "processes): the attention and KV head counts must divide by "
+                                                      "N; under torchrun, its WORLD_SIZE")
+    tensor_parallel_timeout: float = Field(120.0, gt=0, description="seconds one tensor-parallel rank may keep the "
+                                                                    "others waiting before it counts as lost: the "
+                                                                    "open turns fail with UNAVAILABLE and the server "
+                                                                    "exits with status 1 (for its supervisor to "
+                                                                    "restart it)")
     workers: int = Field(8, ge=1, description="threads for session deletes (turns get one thread per "
                                               "max_sessions slot for their store I/O and encryption)")
     verify_bundle: bool = Field(True, description="check the bundle's file hashes at start-up")
