@@ -16,7 +16,7 @@ __all__ = ["Client", "Session", "SamplingParams", "prepare", "__version__"]
 def __getattr__(name: str):
     # Lazy so that `import infemeral` stays cheap (torch and transformers load on use).
     if name in ("Client", "Session"):
-        from infemeral.client import sdk
+        from infemeral.client import client as sdk
 
         return getattr(sdk, name)
     if name == "SamplingParams":

@@ -146,7 +146,7 @@ def check_model(tmp: Path) -> list[Check]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from infemeral.client.sampling import SamplingParams
-    from infemeral.client.sdk import Client
+    from infemeral.client.client import Client
     from infemeral.cloak.prepare import prepare
     from infemeral.cloak.sources import ModelSource, default_gguf_path
     from infemeral.config import ServerSettings

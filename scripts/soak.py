@@ -65,7 +65,7 @@ class Worker:
     """One client process: one session, saved after every action, resumed by the next incarnation."""
 
     def __init__(self, args):
-        from infemeral.client.sdk import Client
+        from infemeral.client.client import Client
 
         self.args = args
         self.rng = random.Random(f"{args.seed}/{args.worker}/{args.incarnation}")
@@ -441,7 +441,7 @@ class Orchestrator:
         from transformers import AutoModelForCausalLM
 
         from infemeral.client.sampling import SamplingParams
-        from infemeral.client.sdk import Client
+        from infemeral.client.client import Client
         from infemeral.cloak.sources import default_gguf_path
 
         path = default_gguf_path()

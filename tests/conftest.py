@@ -62,7 +62,7 @@ def server(bundles, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def client(server, bundles):
-    from infemeral.client.sdk import Client
+    from infemeral.client.client import Client
 
     c = Client(f"127.0.0.1:{server.port}", bundles.client_dir, timeout=120)
     yield c
@@ -99,7 +99,7 @@ def redis_url(tmp_path_factory):
 @pytest.fixture(scope="session")
 def redis_client(bundles, redis_url):
     """A real server whose session store is Redis, and a client for it."""
-    from infemeral.client.sdk import Client
+    from infemeral.client.client import Client
 
     srv = start_server(bundles, redis_url)
     c = Client(f"127.0.0.1:{srv.port}", bundles.client_dir, timeout=120)

@@ -19,7 +19,7 @@ from infemeral.cloak.bundle import ClientBundle, ServerBundle
 from infemeral.client import cli
 from infemeral.client.model.half import ClientModel
 from infemeral.client.sampling import SamplingParams
-from infemeral.client.sdk import Client
+from infemeral.client.client import Client
 from infemeral.errors import FailedPrecondition
 from infemeral.kvcache.cache import KVCache
 from infemeral.kvcache.persistence import SessionPersistence

@@ -303,7 +303,7 @@ FP32_GAP_AT_MOST = 1.6  # a reduced client's pick is this close to float32's bes
 @pytest.mark.parametrize("mode", [dict(client_dtype="bfloat16"), dict(client_quant="int8")])
 def test_sdk_chats_with_a_reduced_client(server, bundles, default_split, mode):
     from infemeral.client.sampling import SamplingParams
-    from infemeral.client.sdk import Client
+    from infemeral.client.client import Client
 
     with Client(f"127.0.0.1:{server.port}", bundles.client_dir, timeout=120, client_device="cpu", **mode) as c:
         assert c.model.dtype == torch.bfloat16

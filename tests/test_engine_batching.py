@@ -10,7 +10,7 @@ import pytest
 
 from conftest import start_server
 from infemeral.client.sampling import SamplingParams
-from infemeral.client.sdk import Client
+from infemeral.client.client import Client
 from infemeral.errors import ResourceExhausted
 from infemeral.protocol import pb, pb_grpc
 

@@ -17,7 +17,7 @@ import torch
 from conftest import start_server
 
 from infemeral.client.sampling import SamplingParams
-from infemeral.client.sdk import Client
+from infemeral.client.client import Client
 from infemeral.protocol import pb, pb_grpc
 from infemeral.protocol.tensors import to_proto
 

@@ -6,7 +6,7 @@ import pytest
 from faults import TurnFault
 
 from infemeral.client.sampling import SamplingParams
-from infemeral.client.sdk import Client
+from infemeral.client.client import Client
 from infemeral.errors import StatusError
 
 pytestmark = pytest.mark.slow

@@ -33,7 +33,7 @@ from infemeral.speculation.draft_model import DraftModel
 from infemeral.speculation.answer_index import AnswerIndex
 from infemeral.client.openai_api import bundle_model_name, create_app
 from infemeral.client.sampling import SamplingParams
-from infemeral.client.sdk import Client
+from infemeral.client.client import Client
 from infemeral.client.session_pool import SessionPool
 from infemeral.protocol import pb
 

@@ -19,7 +19,7 @@ from conftest import start_server
 from http_endpoint import Uvicorn, post
 from infemeral.client.openai_api import create_app
 from infemeral.client.sampling import SamplingParams, generation_defaults
-from infemeral.client.sdk import Client
+from infemeral.client.client import Client
 from infemeral.client.session_pool import SessionPool
 from infemeral.errors import NoChatTemplate
 

@@ -18,7 +18,7 @@ from infemeral.cloak.prepare import prepare
 from infemeral.cloak.server_config import SERVER_CONFIG_KEYS, write_server_config
 from infemeral.cloak.sources import DEFAULT_GGUF_FILE, ModelSource
 from infemeral.client.sampling import SamplingParams
-from infemeral.client.sdk import Client
+from infemeral.client.client import Client
 
 VOCAB = 64
 SECRET_NAME = "acme-labs/secret-model-7b"

@@ -20,7 +20,7 @@ from conftest import start_server
 from infemeral.speculation.draft_model import DraftModel
 from infemeral.speculation.answer_index import AnswerIndex
 from infemeral.client.sampling import SamplingParams
-from infemeral.client.sdk import Client
+from infemeral.client.client import Client
 from infemeral.errors import StatusError
 from infemeral.kvcache.stored import SessionKeys
 

@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import free_port, start_server
 from infemeral.client.sampling import SamplingParams
-from infemeral.client.sdk import Client
+from infemeral.client.client import Client
 from infemeral.errors import StatusError
 
 pytestmark = pytest.mark.slow

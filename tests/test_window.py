@@ -99,7 +99,7 @@ def test_attention_after_eviction_equals_attention_from_scratch(rope_type):
 
 @pytest.mark.slow
 def test_long_conversation_stays_bounded_and_in_step(bundles, tmp_path):
-    from infemeral.client.sdk import Client
+    from infemeral.client.client import Client
 
     window, page = 128, 16
     srv = start_server(bundles, tmp_path / "store", max_context=window, page_size=page, sink_tokens=4)

@@ -14,7 +14,7 @@ import torch
 from google.protobuf.unknown_fields import UnknownFieldSet
 
 from infemeral.client.sampling import SamplingParams
-from infemeral.client.sdk import Client
+from infemeral.client.client import Client
 from infemeral.protocol import pb
 from infemeral.protocol.tensors import WIRE_DTYPES, from_proto
 

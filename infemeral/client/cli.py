@@ -174,7 +174,7 @@ def cmd_prepare(args) -> int:
 
 def _client(settings: ClientSettings):
     from infemeral.speculation.answer_index import AnswerIndex
-    from infemeral.client.sdk import Client
+    from infemeral.client.client import Client
 
     if settings.speculate == "draft" and settings.draft_model is None:
         raise InfemeralError("--speculate draft needs --draft-model PATH (a small local model with the served "
@@ -287,7 +287,7 @@ def cmd_audit(args) -> int:
 
 
 def cmd_delete(args) -> int:
-    from infemeral.client.sdk import Session
+    from infemeral.client.client import Session
 
     settings = settings_from_args(ClientSettings, args)
     path = session_path(settings, args.session)

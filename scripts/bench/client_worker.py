@@ -32,7 +32,7 @@ def main() -> int:
 
     torch.set_num_threads(args.threads)
     from infemeral.client.sampling import SamplingParams
-    from infemeral.client.sdk import Client
+    from infemeral.client.client import Client
 
     client = Client(args.server, args.bundle, timeout=600, client_device="cpu")
     client.eos_ids = set()  # exactly the requested number of tokens

@@ -171,7 +171,7 @@ class SplitSystem:
     """A real infemeral server on 127.0.0.1 serving the bundle in one dtype, and one client for it."""
 
     def __init__(self, wb: "Workbench", dtype_name: str, store: Path):
-        from infemeral.client.sdk import Client
+        from infemeral.client.client import Client
         from infemeral.config import ServerSettings
         from infemeral.server.app import Server
 

@@ -53,7 +53,7 @@ def run(wb) -> Result:
 
     from infemeral.speculation.draft_model import DraftModel
     from infemeral.speculation.answer_index import AnswerIndex
-    from infemeral.client.sdk import Client
+    from infemeral.client.client import Client
 
     n = wb.params.spec_tokens
     split = wb.split()
