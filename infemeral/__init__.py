@@ -15,10 +15,14 @@ __all__ = ["Client", "Session", "SamplingParams", "prepare", "__version__"]
 
 def __getattr__(name: str):
     # Lazy so that `import infemeral` stays cheap (torch and transformers load on use).
-    if name in ("Client", "Session"):
-        from infemeral.client import client as sdk
+    if name == "Client":
+        from infemeral.client.client import Client
 
-        return getattr(sdk, name)
+        return Client
+    if name == "Session":
+        from infemeral.client.session import Session
+
+        return Session
     if name == "SamplingParams":
         from infemeral.client.sampling import SamplingParams
 

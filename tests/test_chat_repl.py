@@ -19,7 +19,7 @@ import torch
 
 from infemeral.client.chat_repl import LineReader
 from infemeral.client.sampling import SamplingParams
-from infemeral.client.client import Session
+from infemeral.client.session import Session
 
 FIRST = "What is the capital of France?"
 LONG = "Write a very long story about a dragon and a knight, with many chapters."

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from infemeral.client.template import ChatTemplate
-from infemeral.client.turn import TextStream
+from infemeral.client.text import TextStream
 from infemeral.errors import InvalidArgument
 
 

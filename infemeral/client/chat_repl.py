@@ -229,7 +229,7 @@ class ChatRepl:
 
     # -- helpers --------------------------------------------------------------------------------------
     def _open_session(self):
-        from infemeral.client.client import Session
+        from infemeral.client.session import Session
 
         if self.path is not None and self.path.exists():
             session = Session.load(self.client, self.path)

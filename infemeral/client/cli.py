@@ -287,7 +287,7 @@ def cmd_audit(args) -> int:
 
 
 def cmd_delete(args) -> int:
-    from infemeral.client.client import Session
+    from infemeral.client.session import Session
 
     settings = settings_from_args(ClientSettings, args)
     path = session_path(settings, args.session)

@@ -24,6 +24,12 @@ class TurnResult:
     drafted_tokens: int = 0  # drafts sent for verification (speculative decoding)
     accepted_drafts: int = 0  # drafts the model agreed with: tokens that cost no round trip of their own
 
+    def add_step(self, num_drafted: int, num_accepted: int) -> None:
+        """A decode step: one round trip that verified `num_drafted` drafts and kept `num_accepted`."""
+        self.round_trips += 1
+        self.drafted_tokens += num_drafted
+        self.accepted_drafts += num_accepted
+
     @property
     def tokens_per_second(self) -> float:
         steps = self.generated_tokens - 1

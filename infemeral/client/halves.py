@@ -1,0 +1,130 @@
+"""The model's two halves during one turn: the laptop's layers here, the server's over the turn's stream.
+
+Every step runs through both and both caches move together: the window
+evicts at the same step on each side (DESIGN.md §5), and positions dropped
+here (rejected drafts, the tail of an answer) are dropped on the server by a
+`Truncate` sent in the same flight as the next message, so a rejection costs
+no extra round trip. Before the turn first drops or moves committed positions,
+the committed cache is copied: a turn that does not commit hands that copy
+back to its session.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from infemeral.client.pending import committed_copy
+from infemeral.client.stream import TurnStream
+from infemeral.errors import Aborted
+from infemeral.kvcache.cache import KVCache
+from infemeral.kvcache.window import WindowPolicy, apply_window
+from infemeral.protocol import pb
+from infemeral.protocol.tensors import from_proto, to_proto
+
+
+class Halves:
+    """`model` and `cache` (the session's) on the laptop, the server behind `stream`, which announced `info`.
+
+    `ids` are the tokens the caches hold, those the window evicted included (client-side only)."""
+
+    def __init__(self, model, cache: KVCache, ids: list[int], stream: TurnStream, info: pb.ServerInfo,
+                 wire: torch.dtype):
+        self.model, self.cache, self.ids, self.stream, self.wire = model, cache, list(ids), stream, wire
+        self.max_step_tokens, self.max_context = info.max_step_tokens, info.max_context
+        self.window = WindowPolicy(info.max_context, info.sink_tokens, info.page_size or 1, enabled=info.window)
+        self.committed: KVCache | None = None  # the committed cache, copied before it is first rewritten
+        self.num_evicted = 0                   # tokens the window dropped during this turn
+        self._pending_drop = 0                 # positions dropped here whose Truncate goes out with the next message
+
+    # -- limits ------------------------------------------------------------------------------------
+    @property
+    def max_chunk(self) -> int:
+        """Most tokens one step may carry."""
+        return max(1, min(self.max_step_tokens, self.window.max_step))
+
+    @property
+    def is_full(self) -> bool:
+        """Without a window, whether the caches have no room for another token."""
+        return not self.window.enabled and self.cache.length + 1 > self.max_context
+
+    def draft_room(self) -> int:
+        """Most drafts the next step may carry besides its token (may be below 0): within the step limits, and
+        never so many that the window would evict at a different step than decoding one token at a time
+        (so greedy output stays the same with and without speculation)."""
+        length, window = self.cache.length, self.window
+        room = min(self.max_step_tokens - 1, window.max_step - 1)
+        if window.enabled:
+            return min(room, self.max_context - (length - window.tokens_to_evict(length, 1)) - 1)
+        return min(room, self.max_context - length - 1)
+
+    # -- steps -------------------------------------------------------------------------------------
+    def step(self, ids: list[int], num_outputs: int = 1) -> torch.Tensor:
+        """Run `ids` through both halves; the logits [num_outputs, vocab] of the last positions."""
+        cache, model, window = self.cache, self.model, self.window
+        drop = self._flush_drop()
+        before = cache.length
+        evict = window.tokens_to_evict(before, len(ids))
+        if evict:
+            self._keep_committed()
+            apply_window(cache, window, len(ids), model.inv_freq)
+            self.num_evicted += evict
+        hidden = model.cloak(ids, cache).to(self.wire)
+        self.stream.send(pb.TurnRequest(step=pb.Step(hidden=to_proto(hidden), cache_length=before, evict=evict,
+                                                     outputs=num_outputs if num_outputs > 1 else 0)))
+        if drop:
+            self._check_truncated(self.stream.receive("truncated"), before)
+        out = self.stream.receive("step")
+        if out.cache_length != cache.length or out.evicted != evict:
+            raise Aborted(f"server cache length {out.cache_length} (evicted {out.evicted}) != client's "
+                          f"{cache.length} (evicted {evict})")
+        residual = from_proto(out.hidden, model.hidden_size, num_outputs, "server residual")
+        if residual.shape[0] != num_outputs:
+            raise Aborted(f"server returned {residual.shape[0]} outputs for a step that asked for {num_outputs}")
+        self.ids += ids
+        return model.logits(residual)
+
+    def truncate(self, tokens: int) -> None:
+        """Drop the caches' last `tokens` positions on both sides now, waiting for the server (a rewind)."""
+        self._keep_committed()
+        self.stream.call(pb.TurnRequest(truncate=pb.Truncate(tokens=tokens, cache_length=self.cache.length)),
+                         "truncated")
+        self.cache.truncate(tokens)
+
+    def keep(self, length: int) -> None:
+        """Drop the caches' positions past `length` of `ids` (rejected drafts, or tokens after the end): here at
+        once, on the server with the next message."""
+        drop = len(self.ids) - length
+        if drop > 0:
+            self.cache.truncate(drop)
+            self.ids = self.ids[:length]
+            self._pending_drop += drop
+
+    def commit(self) -> int:
+        """Ask the server to commit the turn (after any pending drop); the session's new version."""
+        drop = self._flush_drop()
+        self.stream.send(pb.TurnRequest(commit=pb.Commit()))
+        if drop:
+            self._check_truncated(self.stream.receive("truncated"), self.cache.length)
+        return self.stream.receive("committed").version
+
+    def close(self) -> None:
+        self.stream.close()
+
+    # -- helpers -----------------------------------------------------------------------------------
+    def _flush_drop(self) -> int:
+        """Send the pending Truncate ahead of the next message (its reply is read after that message's)."""
+        drop, self._pending_drop = self._pending_drop, 0
+        if drop:
+            self.stream.send(pb.TurnRequest(truncate=pb.Truncate(tokens=drop, cache_length=self.cache.length + drop)))
+        return drop
+
+    def _check_truncated(self, reply, expected: int) -> None:
+        if reply.cache_length != expected:
+            raise Aborted(f"server cache length {reply.cache_length} after dropping rejected drafts != client's "
+                          f"{expected}")
+
+    def _keep_committed(self) -> None:
+        """Before the turn first drops or moves committed positions (a truncation, an eviction): copy the
+        committed cache, which a turn that does not commit restores."""
+        if self.committed is None:
+            self.committed = committed_copy(self.cache, self.cache.committed_length)

@@ -1,0 +1,210 @@
+"""A chat session: a conversation whose KV cache lives in two places, moved on one turn at a time.
+
+The client's local layers hold their part of the cache here; the server's
+layers hold theirs encrypted in the server's store. Every turn (`TurnLoop`) is
+one gRPC stream that sends only the turn's new tokens, as hidden states in the
+secret basis, and ends with a commit: both caches move to the new version
+together, or — if anything fails — both stay at the old one. The session
+keeps the committed state; a turn tells it how the turn ended (`committed`,
+`restore`, `keep_in_doubt`) rather than rewriting it.
+
+    from infemeral import Client
+    with Client("127.0.0.1:50051", "bundles/client") as client:
+        chat = client.new_session()
+        for delta in chat.stream("What is the capital of France?"):
+            print(delta, end="", flush=True)
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+
+from infemeral.client import session_file
+from infemeral.client.pending import PendingCommit
+from infemeral.client.result import TurnResult
+from infemeral.client.sampling import SamplingParams
+from infemeral.client.session_file import SavedSession
+from infemeral.client.stream import open_turn
+from infemeral.client.turn import TurnLoop
+from infemeral.errors import Aborted, InfemeralError, from_rpc_error
+from infemeral.kvcache.cache import KVCache
+from infemeral.kvcache.prefix import common_prefix
+from infemeral.protocol import pb
+from infemeral.speculation.draft_length import DraftLength
+from infemeral.speculation.source import DraftSource, per_session, session_source
+
+
+class Session:
+    """A conversation with committed state on both sides; not safe for concurrent use."""
+
+    def __init__(self, client, *, system_prompt: str | None = None, session_id: bytes | None = None,
+                 key: bytes | None = None):
+        self.client = client
+        self.id = session_id or secrets.token_bytes(16)
+        self.key = key or secrets.token_bytes(32)
+        self.version = 0
+        self.history_ids: list[int] = []  # tokens in the committed caches, client-side only
+        self.messages: list[dict] = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        self.cache = client.model.new_cache()
+        self._busy = threading.Lock()
+        self._draft_model: DraftSource | None = None  # this session's own fork of the client's draft model
+        self._draft_model_of: DraftSource | None = None  # ... and the one it was forked from
+        self.last_result: TurnResult | None = None
+        # A turn whose commit was sent but never answered (connection lost), until the server says whether
+        # it landed; the next turn settles it first.
+        self.pending_commit: PendingCommit | None = None
+        self.draft_length = DraftLength(cost=client.step_cost)  # how many drafts a step carries, learnt as it goes
+
+    def __repr__(self) -> str:  # never print the key
+        return f"Session(id={self.id.hex()[:8]}…, version={self.version}, tokens={len(self.history_ids)})"
+
+    # -- chat ---------------------------------------------------------------------------------
+    def chat(self, message: str, sampling: SamplingParams | None = None) -> TurnResult:
+        """Send a user message; return the full answer once generated."""
+        for _ in self.stream(message, sampling):
+            pass
+        return self.last_result
+
+    def stream(self, message: str, sampling: SamplingParams | None = None) -> Iterator[str]:
+        """Send a user message; yield the answer's text as it is sampled."""
+        return self._stream(self.messages + [{"role": "user", "content": message}], sampling or SamplingParams())
+
+    def _stream(self, messages: list[dict], params: SamplingParams, **turn_options) -> Iterator[str]:
+        with TurnLoop(self, messages, params, **turn_options) as turn:
+            yield from turn.generate()
+            turn.commit()
+
+    def stream_messages(self, messages: list[dict], sampling: SamplingParams | None = None) -> Iterator[str]:
+        """Answer the last message of a whole transcript; yield the answer's text as it is sampled.
+
+        The caches keep what they share with the transcript and only the rest is sent, so a caller that
+        resends a growing conversation every time (as OpenAI-style tools do) sends only its new tokens."""
+        return self._stream([dict(m) for m in messages], sampling or SamplingParams(), is_whole_transcript=True)
+
+    # -- raw text -----------------------------------------------------------------------------
+    def complete(self, prompt: str | list[int], sampling: SamplingParams | None = None, *,
+                 special_tokens: bool = False) -> TurnResult:
+        """Continue raw text (or token ids) without the chat template, for base models and template-free
+        prompts; return the continuation once generated."""
+        for _ in self.stream_raw(prompt, sampling, special_tokens=special_tokens):
+            pass
+        return self.last_result
+
+    def stream_raw(self, prompt: str | list[int], sampling: SamplingParams | None = None, *,
+                   special_tokens: bool = False) -> Iterator[str]:
+        """Continue raw text (or token ids); yield the continuation as it is sampled.
+
+        `prompt` is the whole text: the session's caches keep what they share with it (a longer prompt
+        that starts with an earlier prompt and its continuation sends only what is new). Raw turns leave
+        `messages` empty: the history is text, not a chat. A text prompt is read as plain text, the
+        spelling of a special token included, unless `special_tokens` is True (`Client.text_ids`)."""
+        ids = (self.client.text_ids(prompt, special_tokens=special_tokens) if isinstance(prompt, str)
+               else [int(i) for i in prompt])
+        if not ids:
+            raise InfemeralError("the prompt is empty: there is nothing to continue")
+        return self._stream([], sampling or SamplingParams(), render=lambda _: ids, is_whole_transcript=True)
+
+    # -- what a turn uses -----------------------------------------------------------------------
+    def claim(self) -> None:
+        """Take the session for one turn; Aborted if a turn of it is running (one at a time)."""
+        if not self._busy.acquire(blocking=False):
+            raise Aborted("this session is already running a turn")
+
+    def release(self) -> None:
+        """The turn that claimed the session is over."""
+        self._busy.release()
+
+    def render(self, messages: list[dict]) -> list[int]:
+        """A transcript as token ids, by the model's chat template."""
+        return self.client.chat_ids(messages)
+
+    def draft_source(self, speculate: str) -> DraftSource | None:
+        """Where this session's drafts come from: the conversation first, then the client's earlier answers,
+        then the draft model (through this session's own fork of it)."""
+        client, draft_model = self.client, None
+        if speculate == "draft" and client.draft_model is not None:
+            if self._draft_model_of is not client.draft_model:
+                self._draft_model, self._draft_model_of = per_session(client.draft_model), client.draft_model
+            draft_model = self._draft_model
+        return session_source(speculate, client.answer_index, draft_model)
+
+    def settle_pending(self) -> None:
+        """Ask the server whether the turn whose commit reply was lost did commit; adopt it if so."""
+        pending = self.pending_commit
+        stream, opened = open_turn(self.client, pb.OpenTurn(
+            session_id=self.id, session_key=self.key, expected_version=self.version,
+            bundle_fingerprint=self.client.bundle.server_fingerprint, turn_id=secrets.token_bytes(16),
+            pending_turn_id=pending.turn_id, reserve_tokens=1))
+        stream.close()  # no commit: the probe changes nothing
+        if opened.pending_committed and opened.version == pending.version:
+            self.cache = pending.cache
+            self.committed(pending.version, pending.history_ids, pending.messages, pending.result)
+        self.pending_commit = None
+
+    def rewind(self, target_ids: list[int], sink_tokens: int) -> tuple[int, int]:
+        """(tokens of the history a turn for `target_ids` keeps, cache positions it drops first).
+
+        Normally the turn keeps the longest common prefix of the history and the new transcript and
+        drops the cache's tail after it. But once the window has evicted tokens, the cache holds the
+        sinks and the most recent tokens only: a rewind into what was evicted cannot be made by
+        dropping a tail (it would cut into the sinks and leave the wrong tokens in their place), so the
+        turn then drops the whole cache and sends the transcript again from the start."""
+        keep = common_prefix(self.history_ids, target_ids)
+        if keep == len(target_ids):  # always send at least one token to get logits
+            keep -= 1
+        evicted = len(self.history_ids) - self.cache.length
+        if evicted > 0 and keep < sink_tokens + evicted:
+            return 0, self.cache.length
+        return keep, len(self.history_ids) - keep
+
+    # -- how a turn ended ---------------------------------------------------------------------------
+    def committed(self, version: int, history_ids: list[int], messages: list[dict], result: TurnResult) -> None:
+        """A turn committed: both caches are at `version`, holding `history_ids`; `messages` is the transcript."""
+        self.cache.commit()
+        self.version, self.history_ids, self.messages, self.last_result = version, history_ids, messages, result
+
+    def keep_in_doubt(self, turn_id: bytes, history_ids: list[int], messages: list[dict],
+                      result: TurnResult) -> None:
+        """A turn sent its commit but never heard back: remember the state it leads to (a copy of the cache as
+        it is now) for the next turn to settle (`settle_pending`)."""
+        self.pending_commit = PendingCommit.of_turn(turn_id, self.version + 1, self.cache, history_ids, messages,
+                                                    result)
+
+    def restore(self, committed: KVCache | None) -> None:
+        """A turn ended without committing: back to the committed cache — `committed`, a copy the turn took
+        before it dropped or moved committed positions, or else this cache without what the turn added."""
+        if committed is not None:
+            self.cache = committed
+        else:
+            self.cache.rollback()
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def delete(self) -> None:
+        """Remove the session's stored state from the server."""
+        try:
+            self.client.stub.DeleteSession(pb.DeleteSessionRequest(session_id=self.id, session_key=self.key),
+                                           timeout=min(self.client.timeout, 30))
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        self.version = 0
+
+    def save(self, path: str | Path) -> Path:
+        """Write the session (id, key, version, transcript, local cache, and a turn whose commit is still
+        unconfirmed) to an owner-only file."""
+        saved = SavedSession(self.id, self.key, self.version, self.history_ids, self.messages, self.cache,
+                             self.pending_commit)
+        return session_file.save(path, saved, self.client.bundle.server_fingerprint)
+
+    @classmethod
+    def load(cls, client, path: str | Path) -> "Session":
+        """A session saved by `save`; a turn it left unconfirmed is settled by the next turn."""
+        saved = session_file.load(path, client.bundle.server_fingerprint, client.model.new_cache)
+        session = cls(client, session_id=saved.id, key=saved.key)
+        session.version, session.history_ids, session.messages = saved.version, saved.history_ids, saved.messages
+        session.cache, session.pending_commit = saved.cache, saved.pending_commit
+        return session

@@ -1,0 +1,82 @@
+"""A session saved to an owner-only file, to resume a conversation in another process.
+
+The file holds everything the server does not: the session id and key, the
+version, the transcript and the committed part of the local layers' cache, and
+a turn whose commit is still unconfirmed (`PendingCommit`), so that a client
+that exits in between settles it when the session is resumed. Safetensors,
+with the metadata as JSON; written through a temporary file and renamed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from infemeral.client.pending import PendingCommit
+from infemeral.errors import FailedPrecondition, InfemeralError
+from infemeral.kvcache.cache import KVCache
+
+FORMAT = "infemeral-session"
+VERSION = 2  # 2: adds an unconfirmed turn (`pending`); version 1 files still load
+
+
+@dataclass
+class SavedSession:
+    """What a session file holds, apart from the bundle it belongs to."""
+
+    id: bytes
+    key: bytes
+    version: int
+    history_ids: list[int]  # tokens in the committed caches, client-side only
+    messages: list[dict]
+    cache: KVCache          # only its committed positions are saved
+    pending_commit: PendingCommit | None
+
+
+def save(path: str | Path, saved: SavedSession, server_fingerprint: str) -> Path:
+    path = Path(path).expanduser()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    cache, pending = saved.cache, saved.pending_commit
+    meta = {"format": FORMAT, "format_version": VERSION, "server_fingerprint": server_fingerprint,
+            "id": saved.id.hex(), "key": saved.key.hex(), "version": saved.version,
+            "history_ids": saved.history_ids, "messages": saved.messages, "cache_length": cache.committed_length,
+            "pending": pending.metadata() if pending else None}
+    tensors = {}
+    for slot in range(cache.num_layers):
+        k, v = cache.layer_tensors(slot, 0, cache.committed_length)
+        tensors[f"k.{slot}"], tensors[f"v.{slot}"] = k.contiguous(), v.contiguous()
+    if pending:
+        tensors.update(pending.tensors())
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.close(fd)
+    save_file(tensors, str(tmp), metadata={"session": json.dumps(meta)})
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, path)
+    return path
+
+
+def load(path: str | Path, server_fingerprint: str, new_cache: Callable[[], KVCache]) -> SavedSession:
+    """The session saved at `path`, its caches loaded into new ones from `new_cache`; refused if the file
+    belongs to another bundle than the one with `server_fingerprint`."""
+    path = Path(path).expanduser()
+    with safe_open(str(path), framework="pt") as f:
+        meta = json.loads((f.metadata() or {}).get("session", "{}"))
+    if meta.get("format") != FORMAT or meta.get("format_version") not in (1, VERSION):
+        raise InfemeralError(f"{path} is not an infemeral session file this version can read")
+    if meta["server_fingerprint"] != server_fingerprint:
+        raise FailedPrecondition(f"{path} belongs to a different client bundle")
+    tensors = load_file(str(path))
+    cache = new_cache()
+    for slot in range(cache.num_layers):
+        cache.load_layer(slot, tensors[f"k.{slot}"], tensors[f"v.{slot}"])
+    cache.set_length(meta.get("cache_length", len(meta["history_ids"])))
+    pending = PendingCommit.from_saved(meta["pending"], tensors, new_cache()) if meta.get("pending") else None
+    return SavedSession(bytes.fromhex(meta["id"]), bytes.fromhex(meta["key"]), meta["version"], meta["history_ids"],
+                        meta["messages"], cache, pending)

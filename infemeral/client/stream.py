@@ -1,0 +1,104 @@
+"""A turn's gRPC stream (DESIGN.md §4: one bidirectional Turn RPC per turn), and opening it with retries.
+
+Opening a turn is retried while the server answers RESOURCE_EXHAUSTED with a
+`retry-after-ms` hint, within the client's timeout: nothing has been sent
+then but the request to open. Once a turn has started, nothing is retried.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+
+import grpc
+
+from infemeral.client.keepalive import KeepAlive
+from infemeral.errors import ResourceExhausted, StatusError, from_rpc_error
+from infemeral.protocol import pb
+
+log = logging.getLogger(__name__)
+RETRY_AFTER_KEY = "retry-after-ms"  # the server's hint on RESOURCE_EXHAUSTED (infemeral.server.turn_call)
+MIN_RETRY_WAIT = 0.05  # seconds
+
+
+class TurnStream:
+    """One bidirectional Turn RPC: send requests, read responses in order.
+
+    Requests may be sent ahead of the replies (a truncation and the next step travel together);
+    the server answers each in order. While the client is busy between messages (a slow laptop), keep-alives
+    stop the server's turn-idle deadline from firing."""
+
+    def __init__(self, client):
+        self._requests: queue.Queue = queue.Queue()
+        self._keepalive = KeepAlive(self._requests.put, client.server_info().turn_idle_seconds)
+        self._responses = client.stub.Turn(iter(self._requests.get, None), timeout=client.timeout)
+
+    def send(self, request: pb.TurnRequest) -> None:
+        self._keepalive.sent()
+        self._requests.put(request)
+
+    def receive(self, expect: str):
+        try:
+            response = next(self._responses)
+        except grpc.RpcError as e:
+            raise status_error(e) from None
+        except StopIteration:
+            raise StatusError("server ended the turn unexpectedly") from None
+        kind = response.WhichOneof("kind")
+        if kind != expect:
+            raise StatusError(f"protocol error: expected {expect}, got {kind}")
+        return getattr(response, kind)
+
+    def call(self, request: pb.TurnRequest, expect: str):
+        self.send(request)
+        return self.receive(expect)
+
+    def close(self) -> None:
+        """End the stream. Half-close first and wait for the server to finish the call, so that the
+        session is released on the server before the next turn opens; then make sure it is over."""
+        self._keepalive.stop()
+        self._requests.put(None)
+        try:
+            for _ in self._responses:
+                pass
+        except grpc.RpcError:
+            pass
+        self._responses.cancel()
+
+
+def status_error(e: grpc.RpcError) -> StatusError:
+    """The StatusError of a failed call. RESOURCE_EXHAUSTED carries the server's `retry-after-ms` hint as
+    `retry_after` in seconds, or None where the server gave none (a limit that waiting will not lift)."""
+    error = from_rpc_error(e)
+    if isinstance(error, ResourceExhausted):
+        error.retry_after = None
+        metadata = e.trailing_metadata() if hasattr(e, "trailing_metadata") else None
+        for key, value in metadata or ():
+            if key == RETRY_AFTER_KEY:
+                try:
+                    error.retry_after = max(int(value), 0) / 1000
+                except ValueError:
+                    pass
+    return error
+
+
+def open_turn(client, request: pb.OpenTurn) -> tuple[TurnStream, pb.Opened]:
+    """Open a Turn stream: the stream and the server's `opened` reply.
+
+    While the server is at a limit (RESOURCE_EXHAUSTED with a retry hint) wait as it says and try again,
+    until the client's timeout would pass: the open is all that was sent, so trying again repeats nothing."""
+    deadline = time.monotonic() + client.timeout
+    while True:
+        stream = TurnStream(client)
+        try:
+            return stream, stream.call(pb.TurnRequest(open=request), "opened")
+        except ResourceExhausted as e:
+            stream.close()
+            if e.retry_after is None or time.monotonic() + e.retry_after > deadline:
+                raise
+            log.info("server is at a limit; opening the turn again in %.2f s", e.retry_after)
+            time.sleep(max(e.retry_after, MIN_RETRY_WAIT))
+        except BaseException:
+            stream.close()
+            raise
