@@ -31,10 +31,10 @@ from conftest import StoredSession, free_port, start_server
 from http_endpoint import Uvicorn, post
 from infemeral.speculation.draft_model import DraftModel
 from infemeral.speculation.answer_index import AnswerIndex
-from infemeral.client.openai_api import bundle_model_name, create_app
+from infemeral.endpoint.app import bundle_model_name, create_app
 from infemeral.client.sampling import SamplingParams
 from infemeral.client.client import Client
-from infemeral.client.session_pool import SessionPool
+from infemeral.endpoint.session_pool import SessionPool
 from infemeral.protocol import pb
 
 pytestmark = pytest.mark.slow
@@ -597,7 +597,7 @@ def test_model_name_comes_from_the_bundle_directory(tmp_path):
 # -- the command ------------------------------------------------------------------------------------------
 def test_serve_refuses_an_open_address_without_a_key(capsys):
     from infemeral.client import cli
-    from infemeral.client.openai_serve import check_exposure
+    from infemeral.endpoint.serve import check_exposure
 
     assert cli.main(["serve", "--host", "0.0.0.0", "--client-bundle", "/nonexistent"]) == 2
     assert "refusing to serve on 0.0.0.0 without --api-key" in capsys.readouterr().err

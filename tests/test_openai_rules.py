@@ -9,8 +9,8 @@ import json
 import pytest
 
 from http_endpoint import Uvicorn
-from infemeral.client.openai_api import Answer, RequestGuard, create_app, session_is_gone, to_request_error
-from infemeral.client.openai_serve import allowed_hosts, check_hosts, is_wildcard
+from infemeral.endpoint.app import Answer, RequestGuard, create_app, session_is_gone, to_request_error
+from infemeral.endpoint.serve import allowed_hosts, check_hosts, is_wildcard
 from infemeral.config import ServeSettings
 from infemeral.errors import Aborted, DataLoss, NotFound, Unavailable
 from infemeral.transport import host_of, is_loopback

@@ -17,10 +17,10 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from conftest import start_server
 from http_endpoint import Uvicorn, post
-from infemeral.client.openai_api import create_app
+from infemeral.endpoint.app import create_app
 from infemeral.client.sampling import SamplingParams, generation_defaults
 from infemeral.client.client import Client
-from infemeral.client.session_pool import SessionPool
+from infemeral.endpoint.session_pool import SessionPool
 from infemeral.errors import NoChatTemplate
 
 PROMPT = "Once upon a time, in a small village by the sea,"

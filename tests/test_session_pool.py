@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from infemeral.client.session_pool import SessionPool
+from infemeral.endpoint.session_pool import SessionPool
 from infemeral.errors import Unavailable
 
 

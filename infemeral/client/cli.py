@@ -251,7 +251,7 @@ def cmd_chat(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from infemeral.client.openai_serve import serve
+    from infemeral.endpoint.serve import serve
 
     serve_settings = settings_from_args(ServeSettings, args)
     given = {k: v for k, v in vars(args).items() if k != "api_key"}  # --api-key is the endpoint's own key

@@ -15,8 +15,8 @@ import logging
 import sys
 from collections.abc import Callable
 
-from infemeral.client.openai_api import LOOPBACK_NAMES, bundle_model_name, create_app
-from infemeral.client.session_pool import SessionPool
+from infemeral.endpoint.app import LOOPBACK_NAMES, bundle_model_name, create_app
+from infemeral.endpoint.session_pool import SessionPool
 from infemeral.errors import FailedPrecondition, InfemeralError, StatusError
 from infemeral.transport import is_loopback
 

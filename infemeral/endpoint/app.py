@@ -39,7 +39,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
-from infemeral.client.openai_schema import (
+from infemeral.endpoint.schema import (
     FINISH_REASONS,
     ChatCompletionRequest,
     CompletionRequest,
@@ -51,7 +51,7 @@ from infemeral.client.openai_schema import (
     usage,
 )
 from infemeral.client.sampling import SamplingParams
-from infemeral.client.session_pool import SessionPool
+from infemeral.endpoint.session_pool import SessionPool
 from infemeral.errors import Aborted, DataLoss, InfemeralError, NoChatTemplate, NotFound, StatusError
 from infemeral.transport import is_loopback, split_host_port
 
