@@ -27,6 +27,7 @@ from infemeral.server.config import ServiceLimits
 from infemeral.server.engine import Engine
 from infemeral.server.listen import CannotListen, ListenAddress, bind_all, reason
 from infemeral.server.metrics import Metrics
+from infemeral.server.parallel import driver as tensor_parallel
 from infemeral.server.service import InfemeralService
 from infemeral.storage.open import open_store
 from infemeral.transport import ApiKeyInterceptor, is_loopback, read_api_keys, server_credentials
@@ -36,6 +37,7 @@ log = logging.getLogger(__name__)
 WIRE_OVERHEAD = 1 << 16
 MAINTENANCE_SECONDS = 5.0
 PORT_ZERO_ATTEMPTS = 5  # port 0 on a host name: the port the first address got may be taken on another
+FAILURE_GRACE_SECONDS = 2.0  # a server whose ranks were lost: time for open turns to hear UNAVAILABLE
 
 
 def service_limits(settings: ServerSettings, num_api_keys: int = 0) -> ServiceLimits:
@@ -56,6 +58,9 @@ class Server:
         self.metrics = Metrics()
         self.metrics_port: int | None = None
         self.engine: Engine | None = None
+        self.tensor_parallel: tensor_parallel.TensorParallel | None = None
+        self.failure: str | None = None  # why the server cannot serve any more (a tensor-parallel rank was lost)
+        self._failure_listeners: list = []
         self.service: InfemeralService | None = None
         self.grpc_server: grpc.aio.Server | None = None
         self._stopped = threading.Event()
@@ -77,6 +82,10 @@ class Server:
                              "INFEMERAL_TLS_KEY, or INFEMERAL_ALLOW_PLAINTEXT=true behind a TLS proxy you control")
         keys = read_api_keys(s.api_keys, s.api_keys_file)
         bundle = ServerBundle.open(s.bundle, verify=False)  # manifest and config only: the message size limit
+        engine_config = s.engine_config(len(set(keys)))
+        ranks = tensor_parallel.rank_count(s.tensor_parallel)
+        if ranks > 1:
+            tensor_parallel.check(bundle.config, engine_config, ranks)
         self.max_message_bytes = s.max_step_tokens * bundle.config.hidden_size * 4 + WIRE_OVERHEAD
         self.port = self._call(self._bind(listen, credentials, keys))
         if s.metrics_port:
@@ -87,14 +96,37 @@ class Server:
         # The slow part, now that nothing the environment refuses can stop the server any more.
         if s.verify_bundle:
             bundle.verify()
-        self.engine = Engine(bundle, open_store(s.store, s.session_ttl_seconds), s.engine_config(len(set(keys))),
-                             metrics=self.metrics)
+        runner = None
+        if ranks > 1:
+            self.tensor_parallel = tensor_parallel.TensorParallel.start(
+                bundle, engine_config, ranks, s.tensor_parallel_timeout, log_format=s.log_format,
+                log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()))
+            self.tensor_parallel.on_failure(self._fail)
+            runner = self.tensor_parallel.runner
+        self.engine = Engine(bundle, open_store(s.store, s.session_ttl_seconds), engine_config, metrics=self.metrics,
+                             runner=runner)
         self.service = InfemeralService(self.engine, service_limits(s, len(set(keys))), self.max_message_bytes)
         self.metrics.pool_total.set(self.engine.pool.num_pages)
         self.metrics.pool_used.set_function(lambda: self.engine.pool.num_pages - self.engine.pool.free_pages)
         self.metrics.active_turns.set_function(lambda: self.engine.active_turns)
         self.metrics.turn_streams.set_function(lambda: self.service.num_streams)
         self._call(self._add_services())
+
+    # -- failure ----------------------------------------------------------------------------------------
+    def on_failure(self, callback) -> None:
+        """`callback(reason)` once the server can serve no more (its tensor-parallel ranks were lost)."""
+        self._failure_listeners.append(callback)
+
+    def _fail(self, reason: str) -> None:
+        """The ranks are lost: new turns are refused at once, open ones fail with UNAVAILABLE as they step or
+        commit; whoever runs the server stops it (`serve_forever` then exits with status 1)."""
+        self.failure = reason
+        if self.engine is not None:
+            self.engine.begin_shutdown()
+        if getattr(self, "health", None) is not None and not self._loop.is_closed():
+            asyncio.run_coroutine_threadsafe(self.health.enter_graceful_shutdown(), self._loop)
+        for callback in self._failure_listeners:
+            callback(reason)
 
     # -- on the event loop ----------------------------------------------------------------------------
     def _call(self, coroutine):
@@ -195,6 +227,8 @@ class Server:
             if self.engine is not None:
                 self.engine.stop()
                 self.engine.store.close()
+            if self.tensor_parallel is not None:
+                self.tensor_parallel.close()
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._loop_thread.join(timeout=10)
             if not self._loop_thread.is_alive():
@@ -210,7 +244,9 @@ class Server:
         self.stop(0)
 
 
-def serve_forever(settings: ServerSettings) -> None:
+def serve_forever(settings: ServerSettings) -> int:
+    """Serve until SIGTERM or SIGINT (exit status 0), or until the server fails by itself (1: a tensor-parallel
+    rank was lost; its supervisor restarts it)."""
     server = Server(settings).start()
     done = threading.Event()
 
@@ -220,6 +256,14 @@ def serve_forever(settings: ServerSettings) -> None:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    server.on_failure(lambda _reason: done.set())
+    if server.failure is not None:  # failed before the listener was in place
+        done.set()
     done.wait()
+    if server.failure is not None:
+        server.stop(min(FAILURE_GRACE_SECONDS, settings.grace_seconds))
+        log.error("stopped: %s", server.failure)
+        return 1
     server.stop()
     log.info("stopped")
+    return 0

@@ -113,13 +113,15 @@ class EngineStats:
 
 class Engine:
     def __init__(self, bundle: ServerBundle, store: Store, config: EngineConfig | None = None, *,
-                 metrics: NullMetrics | None = None):
+                 metrics: NullMetrics | None = None, runner: ModelRunner | None = None):
+        """`runner`: the served layers, if not a `ModelRunner` of the bundle on one device (tensor parallelism
+        passes rank 0's)."""
         self.bundle = bundle
         self.store = store
         self.config = config or EngineConfig()
         self.metrics = metrics or NullMetrics()
         self.persistence = SessionPersistence(store, bundle.fingerprint)
-        self.runner = ModelRunner(bundle, self.config)
+        self.runner = runner or ModelRunner(bundle, self.config)
         self.scheduler = Scheduler(self.config.window, self.runner.inv_freq, self.config.batch_token_budget,
                                    self.config.admission_wait, max_batch_hold=self.config.max_batch_hold,
                                    default_reserve_tokens=self.config.default_reserve_tokens)
@@ -512,8 +514,9 @@ class Engine:
                                       [s.num_outputs for s in batch])
         except Exception as e:  # noqa: BLE001 - out of memory, a driver error: fail this batch, serve on
             log.error("a forward pass of %d steps failed: %s", len(batch), type(e).__name__)
-            error = Unavailable(f"the server failed to run this step ({type(e).__name__}; out of memory?); "
-                                "nothing was committed — retry the turn")
+            error = e if isinstance(e, StatusError) else Unavailable(
+                f"the server failed to run this step ({type(e).__name__}; out of memory?); nothing was committed "
+                "— retry the turn")
             for step in batch:
                 self._fail(step, error)
             return

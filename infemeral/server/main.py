@@ -16,6 +16,8 @@ EPILOG = """\
 examples:
   infemeral-server --bundle bundles/server
   INFEMERAL_BUNDLE=/workspace/server INFEMERAL_LISTEN=0.0.0.0:50051 infemeral-server
+  infemeral-server --bundle bundles/server --tensor-parallel 4    # the layers split over 4 GPUs
+  torchrun --nproc-per-node 4 $(which infemeral-server) --bundle bundles/server   # the same, started by torchrun
 
 The server only ever sees hidden states in the client's secret basis; it keeps
 each session's KV cache encrypted under the client's key in --store between turns.
@@ -35,15 +37,21 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from infemeral.server.app import serve_forever
+    from infemeral.server.parallel.group import torchrun_rank
 
     try:
         settings = settings_from_args(ServerSettings, args)
         configure_logging(args.log_level, settings.log_format)
-        serve_forever(settings)
+        launch = torchrun_rank()
+        if launch is not None and launch.rank > 0:  # torchrun started every rank: this one works for rank 0
+            from infemeral.server.model_runner import resolve_device
+            from infemeral.server.parallel.worker import serve
+
+            return serve(launch, resolve_device(settings.device).type, settings.tensor_parallel_timeout)
+        return serve_forever(settings)
     except (InfemeralError, OSError, ValueError, ValidationError) as e:
         print(f"infemeral-server: {e}", file=sys.stderr)
         return 2
-    return 0
 
 
 if __name__ == "__main__":
