@@ -9,7 +9,10 @@ import json
 import pytest
 
 from http_endpoint import Uvicorn
-from infemeral.endpoint.app import Answer, RequestGuard, create_app, session_is_gone, to_request_error
+from infemeral.endpoint.answer import Answer, session_is_gone
+from infemeral.endpoint.app import create_app
+from infemeral.endpoint.errors import to_request_error
+from infemeral.endpoint.guard import RequestGuard
 from infemeral.endpoint.serve import allowed_hosts, check_hosts, is_wildcard
 from infemeral.config import ServeSettings
 from infemeral.errors import Aborted, DataLoss, NotFound, Unavailable

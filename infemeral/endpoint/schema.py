@@ -1,4 +1,4 @@
-"""The part of OpenAI's HTTP API the laptop endpoint speaks: request and response bodies.
+"""The part of OpenAI's HTTP API the laptop endpoint speaks: request bodies, and the error it answers with.
 
 Requests accept the fields tools commonly send; fields that would change the
 answer in ways this endpoint cannot honour (several choices, log
@@ -9,8 +9,6 @@ OpenAI-compatible servers usually do.
 
 from __future__ import annotations
 
-import secrets
-import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -192,28 +190,3 @@ class CompletionRequest(_Request):
     @property
     def answer_tokens(self) -> int | None:
         return self.max_tokens
-
-
-# -- responses ----------------------------------------------------------------------------------------
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{secrets.token_hex(12)}"
-
-
-def now() -> int:
-    return int(time.time())
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
-
-
-FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
-
-
-def model_list(name: str, created: int) -> dict:
-    return {"object": "list", "data": [model_card(name, created)]}
-
-
-def model_card(name: str, created: int) -> dict:
-    return {"id": name, "object": "model", "created": created, "owned_by": "infemeral"}

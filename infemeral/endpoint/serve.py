@@ -15,7 +15,9 @@ import logging
 import sys
 from collections.abc import Callable
 
-from infemeral.endpoint.app import LOOPBACK_NAMES, bundle_model_name, create_app
+from infemeral.endpoint.app import create_app
+from infemeral.endpoint.guard import LOOPBACK_NAMES
+from infemeral.endpoint.serving_models import bundle_model_name
 from infemeral.endpoint.session_pool import SessionPool
 from infemeral.errors import FailedPrecondition, InfemeralError, StatusError
 from infemeral.transport import is_loopback

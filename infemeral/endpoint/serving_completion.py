@@ -1,0 +1,31 @@
+"""POST /v1/completions: raw text (or token ids) continued without a chat template."""
+
+from __future__ import annotations
+
+from infemeral.endpoint.answer import Answer
+from infemeral.endpoint.schema import CompletionRequest, RequestError
+from infemeral.endpoint.serving import OpenAIServing
+
+
+class ServingCompletion(OpenAIServing):
+    kind = "completion"
+    name = "completion"
+
+    def prepare(self, body: CompletionRequest) -> tuple[Answer, str]:
+        """The turn, and the prompt again when the request asks for it (`echo`)."""
+        body.refuse_unsupported()
+        self.models.check(body.model)
+        params = self.sampling(body)
+        prompt = body.single_prompt()
+        if isinstance(prompt, str):
+            prompt_ids = self.client.text_ids(prompt)
+            if not prompt_ids:
+                raise RequestError(400, "the prompt is empty", param="prompt")
+        else:
+            vocab = self.client.model.config.vocab_size
+            if any(not 0 <= t < vocab for t in prompt):
+                raise RequestError(400, f"token ids must be in [0, {vocab})", param="prompt")
+            prompt_ids = list(prompt)
+        self.check_context(prompt_ids)
+        echo = (prompt if isinstance(prompt, str) else self.client.tokenizer.decode(prompt_ids)) if body.echo else ""
+        return Answer(self.pool, prompt_ids, lambda s: s.stream_raw(prompt_ids, params)), echo
