@@ -1,7 +1,8 @@
 """On-disk client and server bundles, and the server bundle's fingerprint.
 
 Server bundle (safe to upload to a pod): config, one safetensors file per served
-layer (folded and rotated), manifest with a fingerprint. The fingerprint is a
+layer (folded and rotated, and quantised if the manifest's `server_quant` says so:
+those bundles are format version 2), manifest with a fingerprint. The fingerprint is a
 SHA-256 over the manifest fields and the files' hashes: it identifies the exact
 weights without revealing anything about Q.
 
@@ -27,6 +28,7 @@ from infemeral.errors import FailedPrecondition
 SERVER_FORMAT = "infemeral-server-bundle"
 CLIENT_FORMAT = "infemeral-client-bundle"
 FORMAT_VERSION = 1
+QUANTIZED_FORMAT_VERSION = 2  # server bundles whose layers are quantised (manifest["server_quant"])
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -59,17 +61,17 @@ def clean_config(config: PretrainedConfig) -> PretrainedConfig:
     return config
 
 
-def read_manifest(directory: Path, expected_format: str) -> dict:
+def read_manifest(directory: Path, expected_format: str, versions: tuple[int, ...] = (FORMAT_VERSION,)) -> dict:
     path = directory / "manifest.json"
     if not path.exists():
         raise FailedPrecondition(f"{directory} is not an infemeral bundle (no manifest.json); run `infemeral-client prepare`")
     manifest = json.loads(path.read_text())
     if manifest.get("format") != expected_format:
         raise FailedPrecondition(f"{directory} holds a {manifest.get('format')!r}, expected a {expected_format!r}")
-    if manifest.get("format_version") != FORMAT_VERSION:
+    if manifest.get("format_version") not in versions:
         raise FailedPrecondition(
             f"{directory} has bundle format version {manifest.get('format_version')}, this version of infemeral "
-            f"reads version {FORMAT_VERSION}; prepare the bundles again")
+            f"reads version {' or '.join(map(str, versions))}; prepare the bundles again")
     return manifest
 
 
@@ -95,7 +97,7 @@ class ServerBundle:
     def open(cls, directory: str | Path, verify: bool = True) -> "ServerBundle":
         """The manifest and model config (quick); with `verify`, also every file's hash (reads the weights)."""
         directory = Path(directory).expanduser()
-        manifest = read_manifest(directory, SERVER_FORMAT)
+        manifest = read_manifest(directory, SERVER_FORMAT, (FORMAT_VERSION, QUANTIZED_FORMAT_VERSION))
         bundle = cls(directory, manifest, AutoConfig.from_pretrained(directory))
         if verify:
             bundle.verify()
@@ -109,7 +111,14 @@ class ServerBundle:
             raise FailedPrecondition("server bundle manifest has been modified; re-upload the bundle")
 
     def layer_weights(self, index: int) -> dict[str, torch.Tensor]:
+        """Layer `index` as stored: float weights, or quantised codes and their scales (see `float_layer_weights`)."""
         return load_file(str(self.directory / layer_file(index)))
+
+    def float_layer_weights(self, index: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+        """Layer `index` with plain float weights (quantised ones dequantised), e.g. for analysis."""
+        from infemeral.quant.served import dequantize_layer
+
+        return dequantize_layer(self.layer_weights(index), dtype)
 
 
 @dataclass

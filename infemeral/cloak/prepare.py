@@ -3,6 +3,11 @@
 Works layer by layer: each server layer is read, folded, rotated, written and
 dropped before the next, so peak memory stays near one layer plus the embedding,
 LM head and Q, whether the model comes as sharded safetensors or as GGUF.
+
+With `server_quant`, each served layer is quantised after it is folded and rotated
+(infemeral/quant/served.py). The calibrated method (gptq) also carries a few
+thousand tokens of chat text through the model as it goes, layer by layer, to learn
+what each served linear reads; that text and its activations never leave this process.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from infemeral.cloak.basis import random_orthogonal
 from infemeral.cloak.rotate import rotate_layer
 from infemeral.cloak.server_config import write_server_config
 from infemeral.cloak.sources import WeightSource, layer_tensors, open_source
+from infemeral.quant import served
+from infemeral.quant.calibration import Calibration, calibration_ids
 from infemeral.quant.int8 import QUANT_MODES, SCALE_SUFFIX, quantize_layer, quantize_rows
 
 log = logging.getLogger(__name__)
@@ -39,7 +46,8 @@ def prepare(model: str | Path | None = None, output: str | Path = "bundles", *,
             client_dir: str | Path | None = None, server_dir: str | Path | None = None,
             client_layers: int = 1, dtype: str = "float32", progress: bool = True,
             source: WeightSource | None = None, basis_seed: bytes | None = None,
-            client_quant: str = "none") -> PreparedBundles:
+            client_quant: str = "none", server_quant: str = "none", group_size: int | None = None,
+            quant_method: str | None = None, calibration_tokens: int | None = None) -> PreparedBundles:
     """Prepare bundles from `model` (None for the packaged SmolLM2, a directory, Hub id or .gguf).
 
     Writes `<output>/client` (owner-only, keep it private) and `<output>/server`
@@ -47,6 +55,9 @@ def prepare(model: str | Path | None = None, output: str | Path = "bundles", *,
     `client_quant="int8"` stores the client's layers, embedding and LM head as int8
     codes with a scale per row: a bundle about a quarter of the float32 size, which
     then always runs with int8 weights (the full-precision weights are not kept).
+    `server_quant="int8"` or `"int4"` stores the served layers quantised (int4 in groups of
+    `group_size` input columns), by `quant_method` (rtn, hqq or gptq; default in
+    infemeral/quant/served.py); gptq calibrates on up to `calibration_tokens` tokens of chat text.
     """
     if dtype not in B.DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(B.DTYPES)}, got {dtype!r}")
@@ -56,11 +67,13 @@ def prepare(model: str | Path | None = None, output: str | Path = "bundles", *,
     output = Path(output).expanduser()
     client_dir = Path(client_dir).expanduser() if client_dir else output / "client"
     server_dir = Path(server_dir).expanduser() if server_dir else output / "server"
+    quant = served.ServerQuant(server_quant, quant_method, group_size)
     source = source or open_source(model)
     config = B.clean_config(source.config)
     total = config.num_hidden_layers
     if not 1 <= client_layers < total:
         raise ValueError(f"client_layers must be between 1 and {total - 1} for this model, got {client_layers}")
+    quant.check_shapes(config)
     d = config.hidden_size
 
     # Round Q once, then rotate the weights with exactly the Q the client will use.
@@ -71,6 +84,10 @@ def prepare(model: str | Path | None = None, output: str | Path = "bundles", *,
     client_tmp = Path(tempfile.mkdtemp(prefix=".client-", dir=_parent(client_dir)))
     try:
         files = {}
+        taken: dict[str, torch.Tensor] = {}  # tables read early (calibration embeds its text first)
+        calibration = None
+        if quant.needs_calibration:
+            calibration = _calibration(source, config, taken, calibration_tokens)
         bar = tqdm(range(total), desc="preparing layers", unit="layer", disable=not progress)
         client_tensors: dict[str, torch.Tensor] = {}
         for i in bar:
@@ -78,21 +95,29 @@ def prepare(model: str | Path | None = None, output: str | Path = "bundles", *,
             if not weights:
                 raise ValueError(f"{source.description} has no tensors for decoder layer {i}")
             if i < client_layers:
+                if calibration is not None:
+                    calibration.advance(i, {k: v.to(torch.float32) for k, v in weights.items()})
                 weights = {k: v.to(torch_dtype).contiguous() for k, v in weights.items()}
                 if client_quant == "int8":
                     weights = quantize_layer(weights)
                 client_tensors.update({f"layers.{i}.{k}": v for k, v in weights.items()})
                 continue
+            if calibration is not None and i == client_layers:
+                calibration.rotate(basis)  # the client sends hidden @ Q
             name = B.layer_file(i)
-            save_file(rotate_layer(weights, q64, torch_dtype), str(server_tmp / name))
+            if quant.is_quantized:
+                tensors = _quantized_layer(i, weights, q64, quant, calibration, torch_dtype)
+            else:
+                tensors = rotate_layer(weights, q64, torch_dtype)
+            save_file(tensors, str(server_tmp / name))
             files[name] = B.sha256_file(server_tmp / name)
-            del weights
+            del weights, tensors
 
         tables = {"embed_tokens": "model.embed_tokens.weight"}
         if not getattr(config, "tie_word_embeddings", False) and source.has("lm_head.weight"):
             tables["lm_head"] = "lm_head.weight"
         for name, source_name in tables.items():
-            table = source.take(source_name).to(torch_dtype)
+            table = (taken.pop(source_name) if source_name in taken else source.take(source_name)).to(torch_dtype)
             if client_quant == "int8":
                 client_tensors[f"{name}.weight"], client_tensors[f"{name}{SCALE_SUFFIX}"] = quantize_rows(table)
             else:
@@ -110,6 +135,11 @@ def prepare(model: str | Path | None = None, output: str | Path = "bundles", *,
             "first_layer": client_layers, "num_layers": total - client_layers, "total_layers": total,
             "files": files,
         }
+        if quant.is_quantized:  # older servers cannot run these layers: they refuse version 2 by its number
+            manifest["format_version"] = B.QUANTIZED_FORMAT_VERSION
+            manifest["server_quant"] = quant.to_manifest()
+            if calibration is not None:
+                manifest["server_quant"]["calibration_tokens"] = calibration.num_tokens
         manifest["fingerprint"] = B.fingerprint(manifest)
         (server_tmp / "manifest.json").write_text(json.dumps(manifest, indent=2))
 
@@ -122,6 +152,7 @@ def prepare(model: str | Path | None = None, output: str | Path = "bundles", *,
             "format": B.CLIENT_FORMAT, "format_version": B.FORMAT_VERSION,
             "model_type": config.model_type, "hidden_size": d, "dtype": dtype,
             "client_layers": client_layers, "total_layers": total, "client_quant": client_quant,
+            "server_quant": quant.to_manifest(),
             "server_fingerprint": manifest["fingerprint"], "source": source.description,
         }, indent=2))
         B.restrict_tree(client_tmp)
@@ -133,6 +164,32 @@ def prepare(model: str | Path | None = None, output: str | Path = "bundles", *,
         raise
     log.info("prepared bundles: client=%s server=%s", client_dir, server_dir)
     return PreparedBundles(client_dir, server_dir, manifest["fingerprint"])
+
+
+def _calibration(source: WeightSource, config, taken: dict, max_tokens: int | None) -> Calibration:
+    """The calibration text embedded (the embedding is kept in `taken` for the client bundle)."""
+    tokenizer = source.tokenizer()
+    if tokenizer is None:
+        raise ValueError("calibrated quantization (gptq) needs the model's tokenizer; use --quant-method hqq or rtn")
+    name = "model.embed_tokens.weight"
+    taken[name] = source.take(name)
+    calibration = Calibration.from_tokens(config, taken[name], calibration_ids(tokenizer, max_tokens))
+    log.info("calibrating the served layers on %d tokens of chat text", calibration.num_tokens)
+    return calibration
+
+
+def _quantized_layer(index: int, weights: dict, q64: torch.Tensor, quant: served.ServerQuant,
+                     calibration: Calibration | None, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Fold, rotate (in float32) and quantise one served layer; norms and biases in the bundle's dtype."""
+    rotated = rotate_layer(weights, q64, torch.float32)
+    hessians = calibration.hessians(index, rotated) if calibration is not None else None
+    tensors = served.quantize_layer(rotated, quant, hessians)
+    del rotated, hessians
+    if calibration is not None:  # later layers calibrate on what this quantised layer puts out
+        calibration.advance(index, served.dequantize_layer(tensors))
+    quantized = {name for name, t in tensors.items() if not t.is_floating_point()}
+    quantized |= {n.rsplit(".", 1)[0] + s for n in quantized for s in (".scale", ".scales", ".zeros")}
+    return {k: (t if k in quantized else t.to(dtype)).contiguous() for k, t in tensors.items()}
 
 
 def _parent(path: Path) -> Path:
