@@ -14,14 +14,20 @@ session attends only to its own pages) and is answered as usual.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from infemeral.cloak.bundle import ServerBundle
 from infemeral.kvcache.paged import PagedBatch, PagedSequence, PagePool
 from infemeral.kvcache.window import rope_shift_frequencies
-from infemeral.model.layers import LayerStack, head_dim
+from infemeral.model.layers import head_dim
 from infemeral.model.paged_attention import select_backend
+from infemeral.quant.served import ServerQuant, kernels_in_use, load_stack
+from infemeral.server import self_check
 from infemeral.server.config import EngineConfig
+
+log = logging.getLogger(__name__)
 
 
 def resolve_device(device: str) -> torch.device:
@@ -43,9 +49,13 @@ class ModelRunner:
     def __init__(self, bundle: ServerBundle, config: EngineConfig):
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        weights = [bundle.layer_weights(i) for i in range(bundle.first_layer, bundle.first_layer + bundle.num_layers)]
-        self.layers = LayerStack(bundle.config, bundle.first_layer, weights, dtype=self.dtype, device=self.device)
-        del weights
+        self.quant = ServerQuant.from_manifest(bundle.manifest)
+        # On a GPU, one served layer is checked against float32 on the CPU before the rest load.
+        use_kernels = self_check.checked_kernels(bundle, self.dtype, self.device) if self.device.type == "cuda" else True
+        self.layers = load_stack(bundle, self.dtype, self.device, use_kernels)
+        if self.quant.is_quantized:
+            log.info("served layers %s; linears by kernel: %s", self.quant.describe(),
+                     ", ".join(f"{kind} {n}" for kind, n in kernels_in_use(self.layers).items()))
         model = bundle.config
         window = config.window
         self.inv_freq = (rope_shift_frequencies(self.layers.rotary, model, window.max_context)
@@ -55,6 +65,10 @@ class ModelRunner:
                                   max_waiting=config.max_waiting_turns)
         self.backend = select_backend(config.attention_backend, self.device, model.num_attention_heads,
                                       model.num_key_value_heads, head_dim(model), window.page_size, self.dtype)
+        if self.device.type == "cuda":
+            self.backend = self_check.checked_attention(config.attention_backend, self.backend, self.device,
+                                                        model.num_attention_heads, model.num_key_value_heads,
+                                                        head_dim(model), window.page_size, self.dtype)
 
     def run(self, caches: list[PagedSequence], hidden: list[torch.Tensor],
             num_outputs: list[int]) -> list[torch.Tensor | None]:
