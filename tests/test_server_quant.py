@@ -1,0 +1,242 @@
+"""Quantised served layers: the int4 format and its kernels, the three methods, quantised bundles end to end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from infemeral.cloak.bundle import ServerBundle
+from infemeral.cloak.prepare import prepare
+from infemeral.cloak.sources import ModelSource
+from infemeral.errors import FailedPrecondition
+from infemeral.model.layers import LayerStack
+from infemeral.quant import gptq, int4, int8, served
+from infemeral.quant.hqq import quantize_hqq
+from infemeral.quant.served import ServerQuant
+from test_server_bundle_scrub import tiny_chat_tokenizer
+
+HIDDEN, FFN = 128, 256
+
+
+def outlier_weight(rows: int = 64, cols: int = 128, seed: int = 0) -> torch.Tensor:
+    """A weight with a few large input columns, as folded norm gains make them."""
+    g = torch.Generator().manual_seed(seed)
+    w = 0.02 * torch.randn(rows, cols, generator=g)
+    w[:, :: cols // 4] *= 12
+    return w
+
+
+# -- the int4 format and kernels ------------------------------------------------------------------------
+def test_nibbles_round_trip_and_layout():
+    codes = torch.randint(0, 16, (16, 64), dtype=torch.uint8)
+    packed = int4.pack_nibbles(codes)
+    assert packed.shape == (16, 32) and packed.dtype == torch.uint8
+    assert torch.equal(int4.unpack_nibbles(packed), codes)
+    assert int(packed[0, 0]) == int(codes[0, 0]) | int(codes[0, 1]) << 4  # column 2j low, 2j+1 high
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_rtn_codes_are_within_half_a_step(symmetric):
+    w = outlier_weight()
+    stored = int4.quantize_rtn(w, 32, symmetric)
+    deq = int4.dequantize(**stored)
+    step = stored["scales"].float().repeat_interleave(32, dim=1)
+    assert stored["scales"].dtype == torch.bfloat16 and stored["scales"].shape == (64, 4)
+    assert bool(((deq - w).abs() <= step * 0.5 + 1e-6).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_linear_matches_its_dequantised_weight_through_the_cpu_kernel(dtype):
+    w = outlier_weight(48, 128)
+    stored = int4.quantize_rtn(w, 32)
+    bias = torch.randn(48)
+    for use_kernel, kernel in ((True, "cpu"), (False, "dequantize")):
+        with torch.device("meta"):
+            linear = int4.Int4Linear(128, 48, 32, bias=True, use_kernel=use_kernel)
+        linear.load_state_dict({"qweight": stored["qweight"], "scales": stored["scales"].to(dtype),
+                                "zeros": stored["zeros"].to(dtype), "bias": bias.to(dtype)}, assign=True)
+        assert linear.kernel == kernel
+        x = torch.randn(2, 3, 128).to(dtype)
+        want = x.float() @ int4.dequantize(**stored).T + bias
+        got = linear(x).float()
+        assert got.shape == (2, 3, 48)
+        assert float((got - want).norm() / want.norm()) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+def test_shapes_without_a_kernel_are_said_and_dequantised(caplog):
+    kind, reason = int4.kernel_for(torch.device("cpu"), torch.float32, 24, 128, 32)
+    assert kind is None and "multiple of 16" in reason
+    assert int4.kernel_for(torch.device("cpu"), torch.float32, 32, 96, 64)[0] is None  # 64 does not divide 96
+    assert int4.kernel_for(torch.device("meta"), torch.float32, 32, 128, 32) == (None, "no int4 kernel on meta")
+    w = outlier_weight(24, 128)
+    stored = int4.quantize_rtn(w, 32)
+    with torch.device("meta"):
+        linear = int4.Int4Linear(128, 24, 32, bias=False)
+    int4._warned.clear()
+    with caplog.at_level("WARNING"):
+        linear.load_state_dict(stored, assign=True)
+    assert linear.kernel == "dequantize" and "dequantising them on every call" in caplog.text
+    x = torch.randn(3, 128)
+    assert torch.allclose(linear(x), x @ int4.dequantize(**stored).T, atol=1e-5)
+
+
+# -- the methods ----------------------------------------------------------------------------------------
+def output_error(x: torch.Tensor, w: torch.Tensor, deq: torch.Tensor) -> float:
+    return float((x @ (w - deq).T).norm() / (x @ w.T).norm())
+
+
+def correlated_inputs(n: int = 512, k: int = 128, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.randn(k, k, generator=g) / k ** 0.5 + torch.eye(k)
+    scale = torch.ones(k)
+    scale[:8] = 6.0  # a few loud input channels, as real hidden states have
+    return (torch.randn(n, k, generator=g) * scale) @ mix
+
+
+def test_hqq_fits_outlier_groups_better_than_round_to_nearest():
+    w = outlier_weight()
+    rtn, fitted = int4.dequantize(**int4.quantize_rtn(w, 64)), int4.dequantize(**quantize_hqq(w, 64))
+    lp = lambda d: float(d.abs().pow(0.7).mean())  # noqa: E731 - the norm HQQ minimises
+    assert lp(fitted - w) < 0.99 * lp(rtn - w)
+
+
+def test_gptq_lowers_the_output_error_of_round_to_nearest():
+    w, x = outlier_weight(), correlated_inputs()
+    h = x.T @ x
+    rtn4 = int4.dequantize(**int4.quantize_rtn(w, 32))
+    gptq4 = int4.dequantize(**gptq.quantize_gptq_int4(w, h, 32))
+    assert output_error(x, w, gptq4) < 0.8 * output_error(x, w, rtn4)
+    codes, scales = int8.quantize_rows(w)
+    gcodes, gscales = gptq.quantize_gptq_int8(w, h)
+    assert torch.equal(scales, gscales) and gcodes.dtype == torch.int8  # same format, other codes
+    assert output_error(x, w, int8.dequantize_rows(gcodes, gscales, torch.float32)) < \
+        0.8 * output_error(x, w, int8.dequantize_rows(codes, scales, torch.float32))
+
+
+def test_scheme_checks_and_manifest_round_trip():
+    assert ServerQuant("int4").to_manifest() == {"scheme": "int4", "method": served.DEFAULT_METHOD["int4"],
+                                                 "group_size": served.DEFAULT_GROUP_SIZE}
+    assert ServerQuant.from_manifest({}) == ServerQuant("none")  # bundles from before quantisation
+    entry = ServerQuant("int4", "hqq", 128).to_manifest()
+    assert ServerQuant.from_manifest({"server_quant": entry}) == ServerQuant("int4", "hqq", 128)
+    for bad in (dict(scheme="int3"), dict(scheme="int4", group_size=48), dict(scheme="int8", method="hqq"),
+                dict(scheme="int8", group_size=64), dict(scheme="none", method="gptq")):
+        with pytest.raises(ValueError):
+            ServerQuant(**bad)
+    config = LlamaConfig(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3)
+    ServerQuant("int4", "rtn", 64).check_shapes(config)
+    with pytest.raises(ValueError, match="takes 32, 64"):
+        ServerQuant("int4", "rtn", 128).check_shapes(config)
+
+
+# -- bundles ---------------------------------------------------------------------------------------------
+def tiny_model(seed: int = 0):
+    torch.manual_seed(seed)
+    config = LlamaConfig(hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=64, max_position_embeddings=256, tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.5 * torch.randn_like(p).abs())
+    return model
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model(), tiny_chat_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def prepared(tiny, tmp_path_factory):
+    """Bundles of one tiny model with one basis: unquantised and every scheme x method."""
+    model, tokenizer = tiny
+    out = tmp_path_factory.mktemp("quant-bundles")
+    kinds = {"none": {}, "int8-rtn": dict(server_quant="int8", quant_method="rtn"),
+             "int4-rtn": dict(server_quant="int4", quant_method="rtn", group_size=32),
+             "int4-hqq": dict(server_quant="int4", quant_method="hqq", group_size=32),
+             "int4-gptq": dict(server_quant="int4", quant_method="gptq", group_size=32, calibration_tokens=512),
+             "int4-rtn-64": dict(server_quant="int4", quant_method="rtn", group_size=64)}
+    return {kind: prepare(output=out / kind, source=ModelSource(model, tokenizer), progress=False,
+                          basis_seed=b"\7" * 32, **kw) for kind, kw in kinds.items()}
+
+
+def test_manifest_records_the_scheme_and_the_fingerprint_covers_it(prepared):
+    fingerprints = {kind: b.fingerprint for kind, b in prepared.items()}
+    assert len(set(fingerprints.values())) == len(fingerprints)  # every scheme, method and group differs
+    plain = ServerBundle.open(prepared["none"].server_dir)
+    assert plain.manifest["format_version"] == 1 and "server_quant" not in plain.manifest
+    bundle = ServerBundle.open(prepared["int4-gptq"].server_dir)
+    assert bundle.manifest["format_version"] == 2
+    assert bundle.manifest["server_quant"]["scheme"] == "int4"
+    assert bundle.manifest["server_quant"]["calibration_tokens"] == 512
+    tensors = bundle.layer_weights(1)
+    assert tensors["self_attn.q_proj.qweight"].dtype == torch.uint8
+    assert tensors["mlp.down_proj.scales"].shape == (HIDDEN, FFN // 32)
+    assert tensors["input_layernorm.weight"].dtype == torch.float32
+    # changing the recorded scheme is caught like any other edit of the manifest
+    path = prepared["int4-rtn"].server_dir / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["server_quant"]["group_size"] = 64
+    path.write_text(json.dumps(manifest))
+    try:
+        with pytest.raises(FailedPrecondition, match="manifest has been modified"):
+            ServerBundle.open(prepared["int4-rtn"].server_dir)
+    finally:
+        manifest["server_quant"]["group_size"] = 32
+        path.write_text(json.dumps(manifest))
+
+
+@torch.inference_mode()
+def test_quantised_layers_run_through_their_kernels_close_to_float(prepared):
+    """Each bundle's layers, as the server loads them, against the same basis unquantised: close, never equal."""
+    reference = served.load_stack(ServerBundle.open(prepared["none"].server_dir), torch.float32)
+    x = torch.randn(20, HIDDEN, generator=torch.Generator().manual_seed(3))
+    want = reference(x, reference.new_cache()) - x
+    errors = {}
+    for kind in ("int8-rtn", "int4-rtn", "int4-hqq", "int4-gptq"):
+        bundle = ServerBundle.open(prepared[kind].server_dir)
+        stack = served.load_stack(bundle, torch.float32)
+        assert set(served.kernels_in_use(stack)) == {"int8 _weight_int8pack_mm" if kind.startswith("int8")
+                                                      else "int4 cpu"}
+        got = stack(x, stack.new_cache()) - x
+        errors[kind] = float((got - want).norm() / want.norm())
+        dense = LayerStack(bundle.config, 1, [bundle.float_layer_weights(i) for i in (1, 2)])
+        assert torch.allclose(got, dense(x, dense.new_cache()) - x, atol=1e-4)  # the kernel = the dequantised weight
+    assert 0 < errors["int8-rtn"] < 0.02
+    assert errors["int4-rtn"] < 0.3 and errors["int4-gptq"] < errors["int4-rtn"]
+
+
+def test_prepare_refuses_a_group_size_the_model_cannot_take(tiny, tmp_path):
+    model, tokenizer = tiny
+    with pytest.raises(ValueError, match="does not divide"):
+        prepare(output=tmp_path, source=ModelSource(model, tokenizer), progress=False, server_quant="int4",
+                group_size=256)
+    with pytest.raises(ValueError, match="tokenizer"):
+        prepare(output=tmp_path, source=ModelSource(model, None), progress=False, server_quant="int4",
+                quant_method="gptq", group_size=32)
+    assert not (tmp_path / "server").exists()
+
+
+@pytest.mark.slow
+def test_a_quantised_bundle_serves_over_grpc(prepared, tiny, tmp_path):
+    """A real server on an int4 bundle answers turns; the server logs its scheme and kernels."""
+    from conftest import start_server
+    from infemeral.client.client import Client
+    from infemeral.client.sampling import SamplingParams
+
+    answers = {}
+    for kind in ("none", "int4-hqq"):
+        server = start_server(prepared[kind], tmp_path / kind)
+        try:
+            assert server.engine.runner.quant.scheme == ("none" if kind == "none" else "int4")
+            with Client(f"127.0.0.1:{server.port}", prepared[kind].client_dir, timeout=60) as client:
+                session = client.new_session()
+                answers[kind] = session.chat("w5 w9 w11 w3", SamplingParams(max_new_tokens=8)).token_ids
+                assert session.version == 1
+        finally:
+            server.stop(0)
+    assert answers["int4-hqq"], "the int4 server produced no tokens"
