@@ -16,7 +16,7 @@ from infemeral.audit.tables import VocabularyTables
 from infemeral.audit.vocabulary_matching import match_vocabulary
 from infemeral.cloak.basis import random_orthogonal
 from infemeral.cloak.bundle import ClientBundle, ServerBundle
-from infemeral.client import cli
+from infemeral.cli import main as cli
 from infemeral.client.model.half import ClientModel
 from infemeral.client.sampling import SamplingParams
 from infemeral.client.client import Client

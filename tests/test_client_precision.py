@@ -228,7 +228,7 @@ def test_resolve_compute_rules():
 
 
 def test_settings_and_flags(monkeypatch):
-    from infemeral.client.cli import build_parser
+    from infemeral.cli.main import build_parser
     from infemeral.config import ClientSettings
 
     monkeypatch.setenv("INFEMERAL_CLIENT_DTYPE", "bfloat16")

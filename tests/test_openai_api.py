@@ -597,7 +597,7 @@ def test_model_name_comes_from_the_bundle_directory(tmp_path):
 
 # -- the command ------------------------------------------------------------------------------------------
 def test_serve_refuses_an_open_address_without_a_key(capsys):
-    from infemeral.client import cli
+    from infemeral.cli import main as cli
     from infemeral.endpoint.serve import check_exposure
 
     assert cli.main(["serve", "--host", "0.0.0.0", "--client-bundle", "/nonexistent"]) == 2
@@ -613,7 +613,7 @@ def test_serve_command_answers_and_deletes_its_sessions_on_exit(server, bundles,
     stored_before = stored_sessions(server)
     env = dict(os.environ, INFEMERAL_SERVER=f"127.0.0.1:{server.port}", INFEMERAL_CLIENT_BUNDLE=str(bundles.client_dir),
                INFEMERAL_ANSWER_INDEX_DIR=str(tmp_path / "answers"))
-    proc = subprocess.Popen([sys.executable, "-m", "infemeral.client.cli", "serve", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "infemeral.cli.main", "serve", "--port", str(port),
                              "--api-key", "k3y", "--max-new-tokens", str(TOKENS)],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

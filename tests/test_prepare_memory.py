@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 BASELINE = """
 import sys
 from pathlib import Path
-import infemeral.client.cli, infemeral.cloak.prepare
+import infemeral.cli.main, infemeral.cloak.prepare
 from transformers import AutoConfig, AutoTokenizer
 p = Path(sys.argv[1])
 where, kw = (p.parent, dict(gguf_file=p.name)) if p.suffix == ".gguf" else (p, {})
@@ -41,7 +41,7 @@ def peak_rss_mb(cmd: list[str]) -> float:
 
 
 def prepare_cmd(model: str, out: Path, *flags: str) -> list[str]:
-    return [sys.executable, "-m", "infemeral.client.cli", "prepare", model, "--output", str(out), "--quiet", *flags]
+    return [sys.executable, "-m", "infemeral.cli.main", "prepare", model, "--output", str(out), "--quiet", *flags]
 
 
 def test_gguf_is_read_tensor_by_tensor_exactly_as_transformers_dequantises_it(reference):

@@ -83,7 +83,7 @@ def test_raw_completion_equals_plain_transformers(base_model):
 
 
 def test_generate_raw_on_the_command_line(base_model, capsys):
-    from infemeral.client import cli
+    from infemeral.cli import main as cli
 
     model, tokenizer, bundles, server, _ = base_model
     args = ["generate", PROMPT, "--server", f"127.0.0.1:{server.port}", "--client-bundle", str(bundles.client_dir),

@@ -250,7 +250,7 @@ class LoseCommitReply(TurnFault):
 
 
 def run_chat(monkeypatch, capsys, server, bundles, sessions_dir, lines: list[str], interceptors=()) -> tuple:
-    from infemeral.client import cli
+    from infemeral.cli import main as cli
 
     def client_with_faults(settings):
         return Client(settings.server, settings.client_bundle, timeout=120, interceptors=list(interceptors))

@@ -44,7 +44,7 @@ def run(wb) -> Result:
 
         exe = Path(sys.executable).parent / "infemeral-client"
         cmd = ([str(exe)] if exe.exists() else
-               [sys.executable, "-c", "import sys; from infemeral.client.cli import main; sys.exit(main())"])
+               [sys.executable, "-c", "import sys; from infemeral.cli.main import main; sys.exit(main())"])
         log("baseline: loading the packaged GGUF with transformers in a subprocess")
         base = run_measured([sys.executable, "-c", LOAD_GGUF])
         log(f"  {base['seconds']:.1f} s, peak RSS {base['peak_rss_mb']:.0f} MB")

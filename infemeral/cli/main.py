@@ -8,7 +8,7 @@ import re
 import sys
 from pathlib import Path
 
-from infemeral.cli_settings import add_settings_flags, settings_from_args
+from infemeral.cli.flags import add_settings_flags, settings_from_args
 from infemeral.config import ClientSettings, ServeSettings
 from infemeral.errors import InfemeralError
 
@@ -240,7 +240,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    from infemeral.client.chat_repl import ChatRepl, say_loading
+    from infemeral.cli.chat_repl import ChatRepl, say_loading
 
     settings = settings_from_args(ClientSettings, args)
     path = session_path(settings, args.session) if args.session else None
