@@ -204,6 +204,26 @@ def test_sharded_layers_compute_the_whole_layers(family, tmp_path):
     assert largest_difference(outs[0], expected) < OUTPUT_TOLERANCE
 
 
+@pytest.mark.parametrize("scheme,group_size", [("int8", None), ("int4", 32)])
+def test_quantized_layers_shard_the_same_way(scheme, group_size, tmp_path):
+    """int8 codes with per-row scales and int4 codes with per-group scales and zeros are cut by the same output
+    rows and input columns as dense weights: the ranks' partial sums give what the whole quantized layers give."""
+    from infemeral.quant.served import load_stack
+
+    model = build(CONFIGS["llama-bias"](), seed=7)
+    b = prepare(output=tmp_path, source=ModelSource(model), progress=False, server_quant=scheme,
+                group_size=group_size, quant_method="rtn")
+    bundle, ranks = ServerBundle.open(b.server_dir), ThreadRanks(2)
+    whole = load_stack(bundle, torch.float32)
+    shards = [load_stack(ShardedBundle(bundle, Shard(r, 2)), torch.float32) for r in range(2)]
+    for r, s in enumerate(shards):
+        attach_all_reduce(s, ranks.all_reduce(r))
+    x = torch.randn(12, bundle.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    expected = whole(x, whole.new_cache())
+    outs = ranks.run(lambda r: shards[r](x, shards[r].new_cache()))
+    assert largest_difference(outs[0], expected) < OUTPUT_TOLERANCE
+
+
 # -- two gloo ranks, tiny random models --------------------------------------------------------------
 @pytest.fixture(scope="module", params=["llama-bias", "qwen2"])
 def two_ranks(request, tmp_path_factory):
