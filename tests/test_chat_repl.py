@@ -100,7 +100,7 @@ def test_the_chat_says_it_is_loading_before_it_loads(tmp_path):
     """The first line comes before the model is loaded: a bundle that is not there is reported after it."""
     env = dict(os.environ, INFEMERAL_SERVER="127.0.0.1:1", INFEMERAL_CLIENT_BUNDLE=str(tmp_path / "missing"),
                INFEMERAL_SESSIONS_DIR=str(tmp_path / "sessions"), TERM="dumb")
-    term = Terminal([sys.executable, "-m", "infemeral.cli.main", "chat"], env)
+    term = Terminal([sys.executable, "-m", "infemeral.cli", "chat"], env)
     try:
         term.io.expect(pexpect.EOF, timeout=LOAD_TIMEOUT)
         assert term.wait() == 2
@@ -116,7 +116,7 @@ def test_ctrl_c_stops_the_answer_and_keeps_the_session(server, client, bundles, 
     env = dict(os.environ, INFEMERAL_SERVER=f"127.0.0.1:{server.port}", INFEMERAL_CLIENT_BUNDLE=str(bundles.client_dir),
                INFEMERAL_SESSIONS_DIR=str(tmp_path / "sessions"), INFEMERAL_CHAT_HISTORY=str(tmp_path / "history"),
                INFEMERAL_ANSWER_INDEX_DIR=str(tmp_path / "answers"), TERM="dumb", PYTHONFAULTHANDLER="1")
-    term = Terminal([sys.executable, "-m", "infemeral.cli.main", "chat", "--session", "repl",
+    term = Terminal([sys.executable, "-m", "infemeral.cli", "chat", "--session", "repl",
                      "--max-new-tokens", str(MAX_TOKENS), "--temperature", "0"], env)
     chat = term.io
     try:

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 
 def run_cli(*args, env=None, stdin=None, timeout=300):
-    return subprocess.run([sys.executable, "-m", "infemeral.cli.main", *map(str, args)], input=stdin,
+    return subprocess.run([sys.executable, "-m", "infemeral.cli", *map(str, args)], input=stdin,
                           env=env, capture_output=True, text=True, timeout=timeout)
 
 

@@ -613,7 +613,7 @@ def test_serve_command_answers_and_deletes_its_sessions_on_exit(server, bundles,
     stored_before = stored_sessions(server)
     env = dict(os.environ, INFEMERAL_SERVER=f"127.0.0.1:{server.port}", INFEMERAL_CLIENT_BUNDLE=str(bundles.client_dir),
                INFEMERAL_ANSWER_INDEX_DIR=str(tmp_path / "answers"))
-    proc = subprocess.Popen([sys.executable, "-m", "infemeral.cli.main", "serve", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "infemeral.cli", "serve", "--port", str(port),
                              "--api-key", "k3y", "--max-new-tokens", str(TOKENS)],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

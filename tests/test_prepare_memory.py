@@ -41,7 +41,7 @@ def peak_rss_mb(cmd: list[str]) -> float:
 
 
 def prepare_cmd(model: str, out: Path, *flags: str) -> list[str]:
-    return [sys.executable, "-m", "infemeral.cli.main", "prepare", model, "--output", str(out), "--quiet", *flags]
+    return [sys.executable, "-m", "infemeral.cli", "prepare", model, "--output", str(out), "--quiet", *flags]
 
 
 def test_gguf_is_read_tensor_by_tensor_exactly_as_transformers_dequantises_it(reference):

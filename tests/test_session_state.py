@@ -250,12 +250,13 @@ class LoseCommitReply(TurnFault):
 
 
 def run_chat(monkeypatch, capsys, server, bundles, sessions_dir, lines: list[str], interceptors=()) -> tuple:
+    from infemeral.cli import commands
     from infemeral.cli import main as cli
 
     def client_with_faults(settings):
         return Client(settings.server, settings.client_bundle, timeout=120, interceptors=list(interceptors))
 
-    monkeypatch.setattr(cli, "_client", client_with_faults)
+    monkeypatch.setattr(commands, "open_client", client_with_faults)
     monkeypatch.setattr(sys, "stdin", io.StringIO("".join(line + "\n" for line in lines)))
     code = cli.main(["chat", "--session", "trip", "--max-new-tokens", "6", "--server", f"127.0.0.1:{server.port}",
                      "--client-bundle", str(bundles.client_dir), "--sessions-dir", str(sessions_dir)])

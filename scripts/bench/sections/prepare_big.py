@@ -49,7 +49,7 @@ def run(wb) -> Result:
     try:
         sizes = random_checkpoint.write_checkpoint(ckpt, shape, "bfloat16", shard_mb=2048 if not wb.quick else 128,
                                                    progress=False, tokenizer_from=wb.client_dir / "tokenizer")
-        exe = [sys.executable, "-m", "infemeral.cli.main"]
+        exe = [sys.executable, "-m", "infemeral.cli"]
         base = run_measured([sys.executable, "-c", BASELINE, str(ckpt)])
         log(f"  baseline (no weights): {base['seconds']:.0f} s, peak RSS {base['peak_rss_mb']:.0f} MB")
         prep = run_measured(exe + ["prepare", str(ckpt), "--output", str(out), "--dtype", "bfloat16", "--quiet"])
