@@ -155,7 +155,7 @@ def check_model(tmp: Path) -> list[Check]:
     from infemeral.client.client import Client
     from infemeral.cloak.prepare import prepare
     from infemeral.cloak.sources import ModelSource, default_gguf_path
-    from infemeral.config import ServerSettings
+    from infemeral.server.settings import ServerSettings
     from infemeral.eval.serving_precision import MAX_MARGIN, MIN_TOP1_RATE, teacher_forced_agreement
     from infemeral.server.app import Server
 

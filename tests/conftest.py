@@ -43,7 +43,7 @@ def bundles(reference, tmp_path_factory):
 
 
 def start_server(bundles, store: Path, **overrides):
-    from infemeral.config import ServerSettings
+    from infemeral.server.settings import ServerSettings
     from infemeral.server.app import Server
 
     fields = dict(bundle=bundles.server_dir, listen="127.0.0.1:0", store=str(store), device="cpu", dtype="float32",

@@ -17,7 +17,7 @@ import torch
 from infemeral.cloak.bundle import DTYPES, ServerBundle
 from infemeral.client.model.half import ClientModel
 from infemeral.kvcache.prefix import common_prefix
-from infemeral.config import ServerSettings
+from infemeral.server.settings import ServerSettings
 from infemeral.errors import InvalidArgument
 from infemeral.model.layers import LayerStack
 

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from infemeral.cli.flags import settings_from_args
-from infemeral.config import ClientSettings, ServeSettings
+from infemeral.server.settings import ClientSettings, ServeSettings
 from infemeral.errors import InfemeralError
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from infemeral.cli import commands
 from infemeral.cli.flags import add_settings_flags
-from infemeral.config import ClientSettings, ServeSettings
+from infemeral.server.settings import ClientSettings, ServeSettings
 from infemeral.errors import InfemeralError
 
 CONNECTION = ("server", "client_bundle", "timeout", "tls_ca", "tls_client_cert", "tls_client_key", "tls_server_name",

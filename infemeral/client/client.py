@@ -60,7 +60,7 @@ class Client:
                  api_key: str | None = None, answer_index: str | Path | AnswerIndex | None = None,
                  draft_model: str | Path | DraftSource | None = None, client_dtype: str | None = None,
                  client_device: str | None = None, client_quant: str | None = None):
-        from infemeral.config import ClientSettings
+        from infemeral.server.settings import ClientSettings
 
         given = dict(client_bundle=client_bundle, client_dtype=client_dtype, client_device=client_device,
                      client_quant=client_quant)

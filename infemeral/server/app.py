@@ -21,7 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from infemeral.cloak.bundle import ServerBundle
-from infemeral.config import ServerSettings
+from infemeral.server.settings import ServerSettings
 from infemeral.protocol import SERVICE_NAME, pb_grpc
 from infemeral.server.config import ServiceLimits
 from infemeral.server.engine import Engine

@@ -172,7 +172,7 @@ class SplitSystem:
 
     def __init__(self, wb: "Workbench", dtype_name: str, store: Path):
         from infemeral.client.client import Client
-        from infemeral.config import ServerSettings
+        from infemeral.server.settings import ServerSettings
         from infemeral.server.app import Server
 
         self.dtype_name = dtype_name
