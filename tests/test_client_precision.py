@@ -229,7 +229,7 @@ def test_resolve_compute_rules():
 
 def test_settings_and_flags(monkeypatch):
     from infemeral.cli.main import build_parser
-    from infemeral.server.settings import ClientSettings
+    from infemeral.client.settings import ClientSettings
 
     monkeypatch.setenv("INFEMERAL_CLIENT_DTYPE", "bfloat16")
     monkeypatch.setenv("INFEMERAL_CLIENT_QUANT", "int8")

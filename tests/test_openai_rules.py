@@ -14,7 +14,7 @@ from infemeral.endpoint.app import create_app
 from infemeral.endpoint.errors import to_request_error
 from infemeral.endpoint.guard import RequestGuard
 from infemeral.endpoint.serve import allowed_hosts, check_hosts, is_wildcard
-from infemeral.server.settings import ServeSettings
+from infemeral.endpoint.settings import ServeSettings
 from infemeral.errors import Aborted, DataLoss, NotFound, Unavailable
 from infemeral.transport import host_of, is_loopback
 

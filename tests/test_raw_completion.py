@@ -116,7 +116,7 @@ def test_the_endpoint_refuses_chat_and_completes_raw_text(base_model):
 def test_sampling_defaults_follow_the_generation_config():
     from transformers import GenerationConfig
 
-    from infemeral.server.settings import ClientSettings
+    from infemeral.client.settings import ClientSettings
 
     sampled = GenerationConfig(do_sample=True, temperature=0.6, top_p=0.9, repetition_penalty=1.1)
     assert generation_defaults(sampled) == {"temperature": 0.6, "top_p": 0.9, "repetition_penalty": 1.1}

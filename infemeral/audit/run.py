@@ -43,7 +43,7 @@ def audit(prompt: str | None = None, client_bundle: str | Path | None = None, *,
     if wire_dtype not in DTYPES:
         raise InvalidArgument(f"wire dtype must be one of {', '.join(DTYPES)}, got {wire_dtype!r}")
     if client_bundle is None:
-        from infemeral.server.settings import ClientSettings
+        from infemeral.client.settings import ClientSettings
 
         client_bundle = ClientSettings().client_bundle
     bundle = ClientBundle.open(client_bundle)

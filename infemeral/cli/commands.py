@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 
 from infemeral.cli.flags import settings_from_args
-from infemeral.server.settings import ClientSettings, ServeSettings
+from infemeral.client.settings import ClientSettings
+from infemeral.endpoint.settings import ServeSettings
 from infemeral.errors import InfemeralError
 
 

@@ -13,7 +13,8 @@ from pathlib import Path
 
 from infemeral.cli import commands
 from infemeral.cli.flags import add_settings_flags
-from infemeral.server.settings import ClientSettings, ServeSettings
+from infemeral.client.settings import ClientSettings
+from infemeral.endpoint.settings import ServeSettings
 from infemeral.errors import InfemeralError
 
 CONNECTION = ("server", "client_bundle", "timeout", "tls_ca", "tls_client_cert", "tls_client_key", "tls_server_name",

@@ -21,6 +21,7 @@ from infemeral.client.model.half import ClientModel
 from infemeral.client.result import TurnResult
 from infemeral.client.sampling import SamplingParams
 from infemeral.client.session import Session
+from infemeral.client.settings import ClientSettings
 from infemeral.client.template import ChatTemplate
 from infemeral.cloak.bundle import ClientBundle
 from infemeral.errors import FailedPrecondition, NoChatTemplate, from_rpc_error
@@ -60,8 +61,6 @@ class Client:
                  api_key: str | None = None, answer_index: str | Path | AnswerIndex | None = None,
                  draft_model: str | Path | DraftSource | None = None, client_dtype: str | None = None,
                  client_device: str | None = None, client_quant: str | None = None):
-        from infemeral.server.settings import ClientSettings
-
         given = dict(client_bundle=client_bundle, client_dtype=client_dtype, client_device=client_device,
                      client_quant=client_quant)
         settings = ClientSettings(**{k: v for k, v in given.items() if v is not None})

@@ -1,14 +1,19 @@
-"""Settings from flags and INFEMERAL_* environment variables (pydantic-settings)."""
+"""The server's settings, from flags and INFEMERAL_* environment variables (pydantic-settings).
+
+`infemeral-server` reads them; the engine and the gRPC service get the frozen
+parts they need (`engine_config`, `app.service_limits`).
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
-DATA_HOME = Path.home() / ".local" / "share" / "infemeral"
+from infemeral.kvcache.window import WindowPolicy
+from infemeral.paths import DATA_HOME
+from infemeral.server.config import EngineConfig
 
 
 class ServerSettings(BaseSettings):
@@ -95,11 +100,8 @@ class ServerSettings(BaseSettings):
         share = self.kv_pool_share_per_key or (0.5 if several else 1.0)
         return sessions, share
 
-    def engine_config(self, num_api_keys: int = 0):
+    def engine_config(self, num_api_keys: int = 0) -> EngineConfig:
         """The engine's part of these settings, as one frozen `EngineConfig`."""
-        from infemeral.kvcache.window import WindowPolicy
-        from infemeral.server.config import EngineConfig
-
         sessions_per_key, share_per_key = self.limits_per_key(num_api_keys)
         return EngineConfig(device=self.device, dtype=self.dtype, max_step_tokens=self.max_step_tokens,
                             max_sessions=self.max_sessions,
@@ -109,86 +111,3 @@ class ServerSettings(BaseSettings):
                             admission_wait=self.admission_wait, attention_backend=self.attention_backend,
                             max_batch_hold=self.max_batch_hold, default_reserve_tokens=self.default_reserve_tokens,
                             max_sessions_per_key=sessions_per_key, kv_pool_share_per_key=share_per_key)
-
-
-class ClientSettings(BaseSettings):
-    """Client configuration; every field can be set as INFEMERAL_<NAME>."""
-
-    model_config = SettingsConfigDict(env_prefix="INFEMERAL_", extra="ignore")
-
-    server: str = Field("127.0.0.1:50051", description="server address host:port")
-    client_bundle: Path = Field(DATA_HOME / "bundles" / "default" / "client", description="client bundle directory")
-    sessions_dir: Path = Field(DATA_HOME / "sessions", description="where named chat sessions are saved")
-    timeout: float = Field(600.0, description="seconds one turn may take")
-    tls_ca: Path | None = Field(None, description="CA or the server's own certificate (PEM) to trust: turns TLS on")
-    tls_client_cert: Path | None = Field(None, description="client certificate (PEM) for mutual TLS")
-    tls_client_key: Path | None = Field(None, description="client private key (PEM) for mutual TLS")
-    tls_server_name: str | None = Field(None, description="name to check in the server certificate "
-                                                          "(default: the host in --server)")
-    api_key: str | None = Field(None, description="API key the server asks for")
-    client_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="dtype of the laptop's half (auto: the bundle's; bfloat16 with int8 weights)")
-    client_device: Literal["auto", "cpu", "cuda", "mps"] = Field(
-        "auto", description="where the laptop's half runs (auto: cuda, else mps, else cpu)")
-    client_quant: Literal["auto", "none", "int8"] = Field(
-        "auto", description="int8: int8 weight-only LM head and local layers (auto: what the bundle holds)")
-    max_new_tokens: int = Field(256, ge=1, description="most tokens to generate per answer")
-    temperature: float = Field(0.0, ge=0, description="sampling temperature; 0 is greedy")
-    top_k: int = Field(0, ge=0, description="sample from the k most likely tokens (0: off)")
-    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass (1: off)")
-    repetition_penalty: float = Field(1.0, gt=0, description="penalty for tokens already in the context (1: off)")
-    seed: int | None = Field(None, description="random seed for reproducible sampling")
-    stop: list[str] = Field(default_factory=list, description="stop strings; repeat the flag for several (env: a JSON list)")
-    speculate: Literal["ngram", "draft", "off"] = Field(
-        "ngram", description="speculative decoding: draft tokens from the conversation (ngram), also from a "
-                             "local draft model (draft, needs --draft-model), or off; the output is the same")
-    max_draft: int = Field(8, ge=0, description="most drafted tokens verified per round trip (the count adapts "
-                                                "below it)")
-    draft_model: Path | None = Field(None, description="local model directory or .gguf file that drafts for "
-                                                       "--speculate draft; must use the served model's tokenizer")
-    answer_index: bool = Field(True, description="remember this client's answers (token ids, in an owner-only "
-                                                 "file under --answer-index-dir) to draft from them later")
-    answer_index_dir: Path = Field(DATA_HOME / "answers", description="where the answer index is kept")
-    answer_index_tokens: int = Field(262_144, ge=1, description="most answer tokens the index keeps (oldest "
-                                                                "answers are forgotten first)")
-
-    chat_history: str = Field(str(DATA_HOME / "chat_history"),
-                              description="file the chat prompt keeps its line history in, owner-only ('': none)")
-
-    def sampling(self, model_defaults: dict | None = None):
-        """Sampling parameters from these settings. `model_defaults` (the model's generation config, see
-        `sampling.generation_defaults`) replaces the settings' own defaults, not values given by flag or env."""
-        from infemeral.client.sampling import SamplingParams
-
-        chosen = {name: getattr(self, name) for name in ("max_new_tokens", "temperature", "top_k", "top_p",
-                                                          "repetition_penalty", "seed")}
-        chosen.update({k: v for k, v in (model_defaults or {}).items() if k not in self.model_fields_set})
-        return SamplingParams(stop=list(self.stop), speculate=self.speculate, max_draft=self.max_draft, **chosen)
-
-
-class ServeSettings(BaseSettings):
-    """The OpenAI-compatible endpoint on the laptop (`infemeral-client serve`); INFEMERAL_SERVE_<NAME>."""
-
-    model_config = SettingsConfigDict(env_prefix="INFEMERAL_SERVE_", extra="ignore")
-
-    host: str = Field("127.0.0.1", description="address to listen on; anything but loopback needs --api-key")
-    port: int = Field(8080, ge=0, le=65535, description="HTTP port")
-    api_key: str | None = Field(None, description="key HTTP clients must send as 'Authorization: Bearer KEY'")
-    model_name: str | None = Field(None, description="model name the endpoint answers to (default: the client "
-                                                     "bundle's directory name)")
-    max_sessions: int = Field(8, ge=1, description="live sessions kept for reuse; the least recently used "
-                                                   "beyond this are deleted on the server")
-    allowed_hosts: Annotated[list[str], NoDecode] = Field(
-        default_factory=list,
-        description="host names requests may be addressed to besides localhost, 127.0.0.0/8 and ::1, comma-separated "
-                    "('*': any; '*.example.com': its subdomains); a non-loopback --host is always allowed. Stops a "
-                    "web page from reaching the endpoint by DNS rebinding")
-    max_body_bytes: int = Field(4 * 2**20, ge=1, description="largest request body accepted (bytes); a larger one is "
-                                                             "answered 413 and never read whole")
-
-    @field_validator("allowed_hosts", mode="before")
-    @classmethod
-    def _split_hosts(cls, value):
-        if isinstance(value, str):
-            value = value.split(",")
-        return [h.strip() for h in value if h.strip()]
