@@ -151,13 +151,13 @@ def check_kernels() -> list[Check]:
 def check_model(tmp: Path) -> list[Check]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from infemeral.client.sampling import SamplingParams
     from infemeral.client.client import Client
+    from infemeral.client.sampling import SamplingParams
     from infemeral.cloak.prepare import prepare
     from infemeral.cloak.sources import ModelSource, default_gguf_path
-    from infemeral.server.settings import ServerSettings
     from infemeral.eval.serving_precision import MAX_MARGIN, MIN_TOP1_RATE, teacher_forced_agreement
     from infemeral.server.app import Server
+    from infemeral.server.settings import ServerSettings
 
     try:
         path = default_gguf_path()

@@ -23,9 +23,9 @@ import torch
 
 from infemeral.audit import DEFAULT_PROMPT, audit
 from infemeral.audit.observed import render
+from infemeral.client.model.half import ClientModel
 from infemeral.cloak.bundle import ClientBundle
 from infemeral.cloak.prepare import prepare
-from infemeral.client.model.half import ClientModel
 
 BUDGET_PROMPT = "Maria Lopez, SSN 078-05-1120, has HIV; password Tr0ub4dor&3."  # 60 tokens with the chat template
 BUDGET_SECONDS = 120.0

@@ -440,8 +440,8 @@ class Orchestrator:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from infemeral.client.sampling import SamplingParams
         from infemeral.client.client import Client
+        from infemeral.client.sampling import SamplingParams
         from infemeral.cloak.sources import default_gguf_path
 
         path = default_gguf_path()

@@ -43,8 +43,8 @@ def bundles(reference, tmp_path_factory):
 
 
 def start_server(bundles, store: Path, **overrides):
-    from infemeral.server.settings import ServerSettings
     from infemeral.server.app import Server
+    from infemeral.server.settings import ServerSettings
 
     fields = dict(bundle=bundles.server_dir, listen="127.0.0.1:0", store=str(store), device="cpu", dtype="float32",
                   metrics_port=0)

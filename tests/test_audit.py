@@ -14,12 +14,12 @@ from infemeral.audit.observed import Observation, observe, served_keys_values
 from infemeral.audit.public_weights import PublicWeights
 from infemeral.audit.tables import VocabularyTables
 from infemeral.audit.vocabulary_matching import match_vocabulary
-from infemeral.cloak.basis import random_orthogonal
-from infemeral.cloak.bundle import ClientBundle, ServerBundle
 from infemeral.cli import main as cli
+from infemeral.client.client import Client
 from infemeral.client.model.half import ClientModel
 from infemeral.client.sampling import SamplingParams
-from infemeral.client.client import Client
+from infemeral.cloak.basis import random_orthogonal
+from infemeral.cloak.bundle import ClientBundle, ServerBundle
 from infemeral.errors import FailedPrecondition
 from infemeral.kvcache.cache import KVCache
 from infemeral.kvcache.persistence import SessionPersistence

@@ -17,8 +17,8 @@ import pytest
 import torch
 from conftest import StoredSession, start_server
 
-from infemeral.client.sampling import SamplingParams
 from infemeral.client.client import Client
+from infemeral.client.sampling import SamplingParams
 from infemeral.client.session import Session
 from infemeral.errors import OutOfRange, PermissionDenied
 from infemeral.protocol import pb, pb_grpc

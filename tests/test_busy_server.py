@@ -10,8 +10,8 @@ import grpc
 import pytest
 
 from conftest import start_server
-from infemeral.client.sampling import SamplingParams
 from infemeral.client.client import Client
+from infemeral.client.sampling import SamplingParams
 from infemeral.errors import ResourceExhausted
 
 pytestmark = pytest.mark.slow

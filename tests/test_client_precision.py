@@ -13,17 +13,17 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from infemeral.cloak.bundle import ClientBundle, ServerBundle
-from infemeral.cloak.prepare import prepare
-from infemeral.cloak.sources import ModelSource
 from infemeral.client.model import packed
 from infemeral.client.model.compute import resolve_compute
 from infemeral.client.model.half import ClientModel
 from infemeral.client.model.tables import Int8TokenTable
-from infemeral.quant.int8 import Int8Linear, dequantize_rows, has_int8_kernel, int8_matmul, quantize_rows
+from infemeral.cloak.bundle import ClientBundle, ServerBundle
+from infemeral.cloak.prepare import prepare
+from infemeral.cloak.sources import ModelSource
 from infemeral.errors import FailedPrecondition, InfemeralError
 from infemeral.eval import client_precision
 from infemeral.model.layers import LayerStack
+from infemeral.quant.int8 import Int8Linear, dequantize_rows, has_int8_kernel, int8_matmul, quantize_rows
 from test_tiny_models import CONFIGS, PROMPT_LEN, build, split_logits, token_ids
 
 # Thresholds on the default model, 512 greedy positions (measured: see docs/benchmarks/client_agreement.md).
@@ -302,8 +302,8 @@ FP32_GAP_AT_MOST = 1.6  # a reduced client's pick is this close to float32's bes
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", [dict(client_dtype="bfloat16"), dict(client_quant="int8")])
 def test_sdk_chats_with_a_reduced_client(server, bundles, default_split, mode):
-    from infemeral.client.sampling import SamplingParams
     from infemeral.client.client import Client
+    from infemeral.client.sampling import SamplingParams
 
     with Client(f"127.0.0.1:{server.port}", bundles.client_dir, timeout=120, client_device="cpu", **mode) as c:
         assert c.model.dtype == torch.bfloat16

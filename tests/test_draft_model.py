@@ -11,8 +11,8 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 
-from infemeral.speculation.draft_model import DraftModel, check_same_tokenizer, tokenizer_mismatch
 from infemeral.errors import FailedPrecondition
+from infemeral.speculation.draft_model import DraftModel, check_same_tokenizer, tokenizer_mismatch
 
 WORDS = [f"w{i}" for i in range(29)]
 

@@ -9,8 +9,8 @@ import grpc
 import pytest
 
 from conftest import start_server
-from infemeral.client.sampling import SamplingParams
 from infemeral.client.client import Client
+from infemeral.client.sampling import SamplingParams
 from infemeral.errors import ResourceExhausted
 from infemeral.protocol import pb, pb_grpc
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 from conftest import start_server
 
-from infemeral.client.sampling import SamplingParams
 from infemeral.client.client import Client
+from infemeral.client.sampling import SamplingParams
 from infemeral.protocol import pb, pb_grpc
 from infemeral.protocol.tensors import to_proto
 

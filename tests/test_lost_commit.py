@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from faults import TurnFault
 
-from infemeral.client.sampling import SamplingParams
 from infemeral.client.client import Client
+from infemeral.client.sampling import SamplingParams
 from infemeral.errors import StatusError
 
 pytestmark = pytest.mark.slow

@@ -29,14 +29,14 @@ import pytest
 
 from conftest import StoredSession, free_port, start_server
 from http_endpoint import Uvicorn, post
-from infemeral.speculation.draft_model import DraftModel
-from infemeral.speculation.answer_index import AnswerIndex
-from infemeral.endpoint.app import create_app
-from infemeral.client.sampling import SamplingParams
 from infemeral.client.client import Client
+from infemeral.client.sampling import SamplingParams
+from infemeral.endpoint.app import create_app
 from infemeral.endpoint.serving_models import bundle_model_name
 from infemeral.endpoint.session_pool import SessionPool
 from infemeral.protocol import pb
+from infemeral.speculation.answer_index import AnswerIndex
+from infemeral.speculation.draft_model import DraftModel
 
 pytestmark = pytest.mark.slow
 

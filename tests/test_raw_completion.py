@@ -17,9 +17,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from conftest import start_server
 from http_endpoint import Uvicorn, post
-from infemeral.endpoint.app import create_app
-from infemeral.client.sampling import SamplingParams, generation_defaults
 from infemeral.client.client import Client
+from infemeral.client.sampling import SamplingParams, generation_defaults
+from infemeral.endpoint.app import create_app
 from infemeral.endpoint.session_pool import SessionPool
 from infemeral.errors import NoChatTemplate
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from conftest import start_server
-from infemeral.client.sampling import SamplingParams
 from infemeral.client.client import Client
+from infemeral.client.sampling import SamplingParams
 from infemeral.eval.serving_precision import MAX_MARGIN, MIN_TOP1_RATE, teacher_forced_agreement
 
 pytestmark = pytest.mark.slow

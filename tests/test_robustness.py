@@ -25,8 +25,8 @@ import torch
 from faults import wait_until
 from conftest import StoredSession, free_port, spawn_server
 
-from infemeral.client.sampling import SamplingParams
 from infemeral.client.client import Client
+from infemeral.client.sampling import SamplingParams
 from infemeral.errors import StatusError
 from infemeral.kvcache.cache import KVCache
 from infemeral.kvcache.paged import PagedSequence
@@ -152,8 +152,8 @@ def test_a_turn_cancelled_while_its_session_loads_is_closed_after_the_load(serve
 
 CLIENT_SNIPPET = textwrap.dedent("""
     import sys
-    from infemeral.client.sampling import SamplingParams
     from infemeral.client.client import Client
+    from infemeral.client.sampling import SamplingParams
 
     address, bundle, session_file, question = sys.argv[1:5]
     client = Client(address, bundle, timeout=300)

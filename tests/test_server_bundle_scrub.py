@@ -11,14 +11,14 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
 
 from conftest import start_server
+from infemeral.client.client import Client
+from infemeral.client.sampling import SamplingParams
 from infemeral.cloak import prepare as prepare_module
 from infemeral.cloak import server_config
 from infemeral.cloak.bundle import ClientBundle, ServerBundle
 from infemeral.cloak.prepare import prepare
 from infemeral.cloak.server_config import SERVER_CONFIG_KEYS, write_server_config
 from infemeral.cloak.sources import DEFAULT_GGUF_FILE, ModelSource
-from infemeral.client.sampling import SamplingParams
-from infemeral.client.client import Client
 
 VOCAB = 64
 SECRET_NAME = "acme-labs/secret-model-7b"

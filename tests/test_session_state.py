@@ -19,12 +19,12 @@ import torch
 
 from faults import TurnFault
 from conftest import start_server
-from infemeral.kvcache.prefix import common_prefix
-from infemeral.client.sampling import SamplingParams
 from infemeral.client.client import Client
+from infemeral.client.sampling import SamplingParams
 from infemeral.client.session import Session
 from infemeral.errors import Aborted, StatusError
 from infemeral.eval.perplexity import PlainModel
+from infemeral.kvcache.prefix import common_prefix
 from infemeral.kvcache.window import WindowPolicy, apply_window
 
 pytestmark = pytest.mark.slow

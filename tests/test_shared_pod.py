@@ -39,8 +39,8 @@ from faults import wait_until
 from conftest import StoredSession, free_port, start_server
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from infemeral.client.sampling import SamplingParams
 from infemeral.client.client import Client
+from infemeral.client.sampling import SamplingParams
 from infemeral.errors import DeadlineExceeded, StatusError
 from infemeral.protocol import pb, pb_grpc
 from infemeral.protocol.tensors import to_proto

@@ -127,10 +127,10 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, one_thread):
+    from infemeral.client.model.half import ClientModel
     from infemeral.cloak.bundle import ClientBundle, ServerBundle
     from infemeral.cloak.prepare import prepare
     from infemeral.cloak.sources import ModelSource
-    from infemeral.client.model.half import ClientModel
     from infemeral.model.layers import LayerStack
 
     torch.manual_seed(0)

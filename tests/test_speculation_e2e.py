@@ -17,12 +17,12 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from faults import TurnFault
 from conftest import start_server
-from infemeral.speculation.draft_model import DraftModel
-from infemeral.speculation.answer_index import AnswerIndex
-from infemeral.client.sampling import SamplingParams
 from infemeral.client.client import Client
+from infemeral.client.sampling import SamplingParams
 from infemeral.errors import StatusError
 from infemeral.kvcache.stored import SessionKeys
+from infemeral.speculation.answer_index import AnswerIndex
+from infemeral.speculation.draft_model import DraftModel
 
 pytestmark = pytest.mark.slow
 

@@ -23,10 +23,10 @@ from transformers import (
     Qwen3Config,
 )
 
+from infemeral.client.model.half import ClientModel
 from infemeral.cloak.bundle import ClientBundle, ServerBundle
 from infemeral.cloak.prepare import prepare
 from infemeral.cloak.sources import ModelSource
-from infemeral.client.model.half import ClientModel
 from infemeral.errors import UnsupportedModel
 from infemeral.model.architecture import check_supported
 from infemeral.model.layers import LayerStack

@@ -19,8 +19,8 @@ from cryptography.x509.oid import NameOID
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import free_port, start_server
-from infemeral.client.sampling import SamplingParams
 from infemeral.client.client import Client
+from infemeral.client.sampling import SamplingParams
 from infemeral.errors import StatusError
 
 pytestmark = pytest.mark.slow

@@ -13,8 +13,8 @@ import pytest
 import torch
 from google.protobuf.unknown_fields import UnknownFieldSet
 
-from infemeral.client.sampling import SamplingParams
 from infemeral.client.client import Client
+from infemeral.client.sampling import SamplingParams
 from infemeral.protocol import pb
 from infemeral.protocol.tensors import WIRE_DTYPES, from_proto
 

@@ -14,12 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
-from infemeral.cloak.bundle import DTYPES, ServerBundle
 from infemeral.client.model.half import ClientModel
-from infemeral.kvcache.prefix import common_prefix
-from infemeral.server.settings import ServerSettings
+from infemeral.cloak.bundle import DTYPES, ServerBundle
 from infemeral.errors import InvalidArgument
+from infemeral.kvcache.prefix import common_prefix
 from infemeral.model.layers import LayerStack
+from infemeral.server.settings import ServerSettings
 
 # A fresh session sends its prompt in steps of at most the server's max_step_tokens.
 STEP_TOKENS = ServerSettings.model_fields["max_step_tokens"].default

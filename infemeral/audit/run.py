@@ -24,9 +24,9 @@ from infemeral.audit.report import AuditReport, Row
 from infemeral.audit.samples import DEFAULT_PROMPT, EARLIER_EXCHANGE
 from infemeral.audit.tables import VocabularyTables
 from infemeral.audit.vocabulary_matching import match_vocabulary
+from infemeral.client.model.half import ClientModel
 from infemeral.cloak.bundle import DTYPES, ClientBundle, ServerBundle
 from infemeral.cloak.sources import WeightSource, open_source
-from infemeral.client.model.half import ClientModel
 from infemeral.errors import FailedPrecondition, InvalidArgument
 
 NO_Q = "public embedding table; no Q"

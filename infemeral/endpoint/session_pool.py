@@ -22,8 +22,8 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from infemeral.kvcache.prefix import common_prefix
 from infemeral.errors import InfemeralError
+from infemeral.kvcache.prefix import common_prefix
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,6 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from infemeral.cloak.bundle import ServerBundle
-from infemeral.server.settings import ServerSettings
 from infemeral.protocol import SERVICE_NAME, pb_grpc
 from infemeral.server.config import ServiceLimits
 from infemeral.server.engine import Engine
@@ -29,6 +28,7 @@ from infemeral.server.listen import CannotListen, ListenAddress, bind_all, reaso
 from infemeral.server.metrics import Metrics
 from infemeral.server.parallel import driver as tensor_parallel
 from infemeral.server.service import InfemeralService
+from infemeral.server.settings import ServerSettings
 from infemeral.storage.open import open_store
 from infemeral.transport import ApiKeyInterceptor, is_loopback, read_api_keys, server_credentials
 

@@ -8,9 +8,9 @@ import sys
 from pydantic import ValidationError
 
 from infemeral.cli.flags import add_settings_flags, settings_from_args
-from infemeral.server.settings import ServerSettings
 from infemeral.errors import InfemeralError
 from infemeral.logs import configure as configure_logging
+from infemeral.server.settings import ServerSettings
 
 EPILOG = """\
 examples:

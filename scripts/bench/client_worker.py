@@ -31,8 +31,8 @@ def main() -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    from infemeral.client.sampling import SamplingParams
     from infemeral.client.client import Client
+    from infemeral.client.sampling import SamplingParams
 
     client = Client(args.server, args.bundle, timeout=600, client_device="cpu")
     client.eos_ids = set()  # exactly the requested number of tokens

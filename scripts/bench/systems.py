@@ -172,8 +172,8 @@ class SplitSystem:
 
     def __init__(self, wb: "Workbench", dtype_name: str, store: Path):
         from infemeral.client.client import Client
-        from infemeral.server.settings import ServerSettings
         from infemeral.server.app import Server
+        from infemeral.server.settings import ServerSettings
 
         self.dtype_name = dtype_name
         self.sync = wb.sync

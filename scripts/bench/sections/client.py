@@ -103,8 +103,8 @@ def _measure(model: str, clients: dict, reps: int) -> list[ClientStepRow]:
 
 
 def _default_clients(wb) -> dict:
-    from infemeral.cloak.bundle import ClientBundle
     from infemeral.client.model.half import ClientModel
+    from infemeral.cloak.bundle import ClientBundle
 
     bundle = ClientBundle.open(wb.client_dir)
     return {mode: ClientModel(bundle, device="cpu", **kw) for mode, kw in MODES.items()}
@@ -113,8 +113,8 @@ def _default_clients(wb) -> dict:
 def _8b_clients() -> dict:
     from transformers import LlamaConfig
 
-    from infemeral.cloak.basis import random_orthogonal
     from infemeral.client.model.half import ClientModel
+    from infemeral.cloak.basis import random_orthogonal
     from infemeral.eval.client_precision import RANDOM_8B, random_client_tensors
 
     config = LlamaConfig(**RANDOM_8B, rope_theta=500000.0, rms_norm_eps=1e-5)

@@ -51,9 +51,9 @@ class SpecRow:
 def run(wb) -> Result:
     from delay_proxy import DelayProxy
 
-    from infemeral.speculation.draft_model import DraftModel
-    from infemeral.speculation.answer_index import AnswerIndex
     from infemeral.client.client import Client
+    from infemeral.speculation.answer_index import AnswerIndex
+    from infemeral.speculation.draft_model import DraftModel
 
     n = wb.params.spec_tokens
     split = wb.split()
