@@ -1,8 +1,8 @@
 """What the chat and completion endpoints share: sampling from the request, the context check, and the
 answer, whole or as server-sent events.
 
-Each endpoint is a subclass that turns its request body into a turn (`prepare`);
-everything after that is the same. Logs carry counts and timings only, never
+Each endpoint is a subclass that reads the prompt from its request body
+(`prompt`); everything else is the same. Logs carry counts and timings only, never
 prompts or answers.
 """
 
@@ -11,12 +11,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import anyio
 from starlette.concurrency import run_in_threadpool
 
 from infemeral.client.sampling import SamplingParams
+from infemeral.client.session import Session
 from infemeral.endpoint.answer import Answer, AnswerStream, sse
 from infemeral.endpoint.errors import to_request_error
 from infemeral.endpoint.responses import ResponseBuilder, finish_reason, usage
@@ -50,6 +51,16 @@ class OpenAIServing:
 
     def prepare(self, body) -> tuple[Answer, str]:
         """The request's turn, not started yet, and the text shown before its answer (blocking: it tokenizes)."""
+        body.refuse_unsupported()
+        self.models.check(body.model)
+        params = self.sampling(body)
+        prompt_ids, start, echo = self.prompt(body, params)
+        self.check_context(prompt_ids)
+        return Answer(self.pool, prompt_ids, start), echo
+
+    def prompt(self, body, params: SamplingParams) -> tuple[list[int], Callable[[Session], Iterator[str]], str]:
+        """What the endpoint reads from its request: the prompt's token ids, how a session answers it, and the
+        text shown before the answer."""
         raise NotImplementedError
 
     # -- the request ----------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from infemeral.endpoint.answer import Answer
+from infemeral.client.sampling import SamplingParams
 from infemeral.endpoint.schema import ChatCompletionRequest
 from infemeral.endpoint.serving import OpenAIServing
 
@@ -11,11 +11,6 @@ class ServingChat(OpenAIServing):
     kind = "chat"
     name = "chat completion"
 
-    def prepare(self, body: ChatCompletionRequest) -> tuple[Answer, str]:
-        body.refuse_unsupported()
-        self.models.check(body.model)
+    def prompt(self, body: ChatCompletionRequest, params: SamplingParams):
         messages = body.template_messages()
-        params = self.sampling(body)
-        prompt_ids = self.client.chat_ids(messages)
-        self.check_context(prompt_ids)
-        return Answer(self.pool, prompt_ids, lambda s: s.stream_messages(messages, params)), ""
+        return self.client.chat_ids(messages), lambda session: session.stream_messages(messages, params), ""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from infemeral.endpoint.answer import Answer
+from infemeral.client.sampling import SamplingParams
 from infemeral.endpoint.schema import CompletionRequest, RequestError
 from infemeral.endpoint.serving import OpenAIServing
 
@@ -11,11 +11,8 @@ class ServingCompletion(OpenAIServing):
     kind = "completion"
     name = "completion"
 
-    def prepare(self, body: CompletionRequest) -> tuple[Answer, str]:
-        """The turn, and the prompt again when the request asks for it (`echo`)."""
-        body.refuse_unsupported()
-        self.models.check(body.model)
-        params = self.sampling(body)
+    def prompt(self, body: CompletionRequest, params: SamplingParams):
+        """The prompt as text or token ids, shown again before the answer when the request asks (`echo`)."""
         prompt = body.single_prompt()
         if isinstance(prompt, str):
             prompt_ids = self.client.text_ids(prompt)
@@ -26,6 +23,5 @@ class ServingCompletion(OpenAIServing):
             if any(not 0 <= t < vocab for t in prompt):
                 raise RequestError(400, f"token ids must be in [0, {vocab})", param="prompt")
             prompt_ids = list(prompt)
-        self.check_context(prompt_ids)
         echo = (prompt if isinstance(prompt, str) else self.client.tokenizer.decode(prompt_ids)) if body.echo else ""
-        return Answer(self.pool, prompt_ids, lambda s: s.stream_raw(prompt_ids, params)), echo
+        return prompt_ids, lambda session: session.stream_raw(prompt_ids, params), echo
