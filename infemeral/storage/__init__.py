@@ -1,0 +1,1 @@
+"""Where encrypted sessions are kept: the storage interface (`base.py`), its backends, and `open_store`."""
