@@ -195,8 +195,9 @@ class Int4Linear(torch.nn.Module):
         self.register_buffer("scales", torch.empty(out_features, groups, dtype=PARAMS_DTYPE))
         self.register_buffer("zeros", torch.empty(out_features, groups, dtype=PARAMS_DTYPE))
         self.register_buffer("bias", torch.empty(out_features) if bias else None)
+        self.register_buffer("packed", None, persistent=False)  # the kernel's layouts, once loaded
+        self.register_buffer("params", None, persistent=False)
         self.kernel = "dequantize"
-        self.packed = self.params = None
 
     @classmethod
     def like(cls, linear: torch.nn.Linear, group_size: int, use_kernel: bool = True) -> "Int4Linear":
@@ -204,7 +205,7 @@ class Int4Linear(torch.nn.Module):
 
     def _load_from_state_dict(self, *args, **kwargs):
         super()._load_from_state_dict(*args, **kwargs)
-        if self.qweight.device.type != "meta":
+        if self.qweight is not None and self.qweight.device.type != "meta":
             self.prepare_kernel()
 
     def prepare_kernel(self) -> None:
@@ -218,8 +219,7 @@ class Int4Linear(torch.nn.Module):
             self.kernel = "dequantize"
             return
         self.packed, self.params = _pack_for(kind, unpack_nibbles(self.qweight), self.scales, self.zeros)
-        self.qweight = self.qweight.new_empty(0)  # only the kernel's copy is kept
-        self.scales = self.zeros = None
+        self.qweight = self.scales = self.zeros = None  # only the kernel's copy is kept
         self.kernel = kind
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -232,6 +232,3 @@ class Int4Linear(torch.nn.Module):
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
 
-    def nbytes(self) -> int:
-        tensors = [self.packed, self.params] if self.packed is not None else [self.qweight, self.scales, self.zeros]
-        return sum(t.numel() * t.element_size() for t in tensors + ([self.bias] if self.bias is not None else []))

@@ -192,6 +192,14 @@ def load_stack(bundle, dtype: torch.dtype, device: str | torch.device = "cpu", u
                       adapt_layer=adapter(quant, use_kernels))
 
 
+def weight_bytes(module: torch.nn.Module) -> int:
+    """Bytes of every tensor a stack of layers holds (each storage once): what stays resident for its weights."""
+    storages = {}
+    for t in [*module.parameters(), *module.buffers()]:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
 def kernels_in_use(layers: torch.nn.Module) -> dict[str, int]:
     """How many of a stack's linears run on each kernel ("int8", "cpu", "cuda", "dequantize", "dense")."""
     counts: dict[str, int] = {}
