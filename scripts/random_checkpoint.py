@@ -45,8 +45,10 @@ class Sizes:
     basis: int
 
 
-def llama_config(shape: str) -> LlamaConfig:
-    return LlamaConfig(**SHAPES[shape], rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192,
+def llama_config(shape: str, num_layers: int | None = None) -> LlamaConfig:
+    """The shape's config; `num_layers` keeps its width and cuts its depth (a few layers of a real shape)."""
+    fields = dict(SHAPES[shape], **({"num_hidden_layers": num_layers} if num_layers else {}))
+    return LlamaConfig(**fields, rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192,
                        bos_token_id=1, eos_token_id=2)
 
 
@@ -101,14 +103,15 @@ def random_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, generat
 
 
 def write_checkpoint(out: Path, shape: str = "llama-3.2-3b", dtype: str = "bfloat16", shard_mb: int = 2048,
-                     seed: int = 0, progress: bool = True, tokenizer_from: Path | None = None) -> Sizes:
+                     seed: int = 0, progress: bool = True, tokenizer_from: Path | None = None,
+                     num_layers: int | None = None) -> Sizes:
     """Write config, generation config, tokenizer and sharded weights to `out`; return the part sizes.
 
     The tokenizer is copied from `tokenizer_from` (a saved tokenizer directory) or the packaged GGUF."""
     from tqdm.auto import tqdm
 
     out.mkdir(parents=True, exist_ok=True)
-    config = llama_config(shape)
+    config = llama_config(shape, num_layers)
     torch_dtype = DTYPES[dtype]
     config.torch_dtype = torch_dtype
     shapes = tensor_shapes(config)
