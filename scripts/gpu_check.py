@@ -14,7 +14,11 @@
 4. tensor parallelism (a pod with 2 or more GPUs, or --tensor-parallel N): the same 8B-shaped layers written
    as a server bundle, served by the engine on 1 GPU and on N (NCCL; every GPU holds its heads and MLP
    columns): decode tokens/s at 1, 8 and 32 sessions, served weights per GPU, and the two engines' outputs
-   for one prompt compared.
+   for one prompt compared;
+5. quantised served layers: int8 and int4 bundles of the default model (one layer's self-check on this GPU
+   against float32 on the CPU, the kernels the layers run on, perplexity with the layers here in bf16 against
+   the same bundle on the CPU in float32), and random 8B-shaped layers (at most 8) in bf16, int8 and int4: GPU
+   memory of the weights and the decode step at the first two session counts.
 
     python scripts/gpu_check.py --skip-model --tensor-parallel 4 --tp-layers 8   # only 4 of the GPUs, 8 layers
 
@@ -387,6 +391,129 @@ def check_tensor_parallel(tmp: Path, ranks: int, num_layers: int, sessions: list
     return checks
 
 
+# -- 5. quantised served layers ------------------------------------------------------------------------
+QUANT_MODES = {"int8": dict(server_quant="int8"), "int4": dict(server_quant="int4")}
+QUANT_PERPLEXITY_TOLERANCE = 1.03  # on the GPU in bf16 / on the CPU in float32, the same bundle
+QUANT_STEP_LIMIT = 1.5             # a quantised decode step slower than this x bf16 means a kernel is missing
+
+
+def check_quantized_model(tmp: Path) -> list[Check]:
+    """Default model, int8 and int4 bundles (their default methods): the self-check of one layer on this GPU,
+    the kernels the layers run on, and perplexity with the layers here in bf16 against the CPU in float32."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from infemeral.cloak.bundle import ServerBundle
+    from infemeral.cloak.prepare import prepare
+    from infemeral.cloak.sources import ModelSource, default_gguf_path
+    from infemeral.eval import server_quant as sq
+    from infemeral.quant import served
+    from infemeral.server import self_check
+
+    path = default_gguf_path()
+    with contextlib.redirect_stderr(io.StringIO()):
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    ids = tokenizer(sq.DEFAULT_TEXT.read_text(), add_special_tokens=False)["input_ids"][:sq.TEXT_TOKENS]
+    reference = sq.perplexity(sq.PlainReference(model), ids)
+    checks = []
+    for mode, kwargs in QUANT_MODES.items():
+        say(f"     preparing the default model's {mode} bundles on the CPU (gptq calibrates: a minute or two)")
+        bundles = prepare(output=tmp / mode, source=ModelSource(model, tokenizer), progress=False, **kwargs)
+        bundle = ServerBundle.open(bundles.server_dir)
+        failure = self_check.layer_failure(bundle, torch.bfloat16, torch.device("cuda"))
+        stack = served.load_stack(bundle, torch.bfloat16, "cuda")
+        kernels = ", ".join(f"{k} {v}" for k, v in served.kernels_in_use(stack).items())
+        del stack
+        checks.append(Check(f"quantised: {mode} layer on CUDA vs float32 on the CPU", failure is None,
+                            f"{failure or 'matches'}; kernels: {kernels}"))
+        say(("PASS " if checks[-1].passed else "FAIL ") + checks[-1].name + ": " + checks[-1].detail)
+        on_cpu = sq.perplexity(sq.BundleSplit(bundles.client_dir, bundles.server_dir), ids)
+        on_gpu = sq.perplexity(sq.BundleSplit(bundles.client_dir, bundles.server_dir, torch.bfloat16, "cuda"), ids)
+        ok = on_gpu <= QUANT_PERPLEXITY_TOLERANCE * on_cpu
+        checks.append(Check(f"quantised: {mode} perplexity on CUDA in bf16", ok,
+                            f"{on_gpu:.3f} on CUDA (bf16), {on_cpu:.3f} on the CPU (float32), {reference:.3f} "
+                            f"unquantised float32 ({on_gpu / reference:.3f}x); limit {QUANT_PERPLEXITY_TOLERANCE}x "
+                            "the CPU's"))
+        say(("PASS " if ok else "FAIL ") + checks[-1].name + ": " + checks[-1].detail)
+    return checks
+
+
+def check_quantized_layers(num_layers: int, sessions: list[int], context: int, steps: int) -> list[Check]:
+    """Random 8B-shaped layers, round-to-nearest int8 and int4 (default group): GPU memory of the weights and
+    the decode step against bf16 (same weights, same pages), with the PyTorch attention backend."""
+    from transformers import LlamaConfig
+
+    from infemeral.kvcache.paged import PagedBatch, PagedSequence, PagePool
+    from infemeral.model.layers import LayerStack
+    from infemeral.model.paged_attention import TorchBackend
+    from infemeral.quant import served
+
+    dtype, page = torch.bfloat16, 16
+    config = LlamaConfig(**{**SHAPE_8B, "num_hidden_layers": num_layers}, max_position_embeddings=8192,
+                         rope_theta=500000.0, rms_norm_eps=1e-5)
+    layers = random_layers(config, num_layers, dtype)
+    stacks, memory = {}, {}
+    for mode in ("bfloat16", "int8", "int4"):
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        if mode == "bfloat16":
+            stacks[mode] = LayerStack(config, 0, layers, dtype=dtype, device="cuda")
+        else:
+            quant = served.ServerQuant(mode, "rtn")
+            weights = [{k: v.cpu() for k, v in served.quantize_layer({k: v.float() for k, v in w.items()}, quant)
+                        .items()} for w in layers]
+            stacks[mode] = LayerStack(config, 0, weights, dtype=dtype, device="cuda", adapt_layer=served.adapter(quant))
+            say(f"     {mode}: kernels {served.kernels_in_use(stacks[mode])}")
+        torch.cuda.synchronize()
+        memory[mode] = torch.cuda.memory_allocated() - before
+    del layers
+    hd = config.hidden_size // config.num_attention_heads
+    pool = PagePool(max(sessions) * (-(-(context + steps + 1) // page)) + 8, page, 0, num_layers,
+                    config.num_key_value_heads, hd, dtype, "cuda")
+    backend = TorchBackend()
+    rate: dict[tuple[str, int], float] = {}
+    for n in sessions:
+        for mode, stack in stacks.items():
+            seqs = [PagedSequence(pool) for _ in range(n)]
+            for s in seqs:
+                s.reserve(context)
+                stack.forward_batch(torch.randn(context, config.hidden_size, device="cuda", dtype=dtype) * 0.1,
+                                    PagedBatch(pool, [s], [context], backend))
+
+            def step():
+                for s in seqs:
+                    s.reserve(s.length + 1)
+                stack.forward_batch(torch.randn(n, config.hidden_size, device="cuda", dtype=dtype) * 0.1,
+                                    PagedBatch(pool, seqs, [1] * n, backend))
+
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(steps):
+                step()
+            torch.cuda.synchronize()
+            rate[(mode, n)] = n * steps / (time.perf_counter() - t)
+            for s in seqs:
+                s.wipe()
+            say(f"     {num_layers}-layer 8B shape, {n:2d} session(s), {mode:8s}: {rate[(mode, n)]:8.1f} tokens/s")
+    checks = []
+    for mode, limit in (("int8", 0.55), ("int4", 0.3)):
+        share = memory[mode] / memory["bfloat16"]
+        checks.append(Check(f"quantised: {mode} weights in GPU memory", share <= limit,
+                            f"{memory[mode] / 2**30:.2f} GiB, {share:.3f}x bf16's {memory['bfloat16'] / 2**30:.2f} "
+                            f"GiB (limit {limit}x)"))
+        say(("PASS " if checks[-1].passed else "FAIL ") + checks[-1].name + ": " + checks[-1].detail)
+        for n in sessions:
+            step_ratio = rate[("bfloat16", n)] / rate[(mode, n)]
+            checks.append(Check(f"quantised: {mode} decode step, {n} session(s)", step_ratio <= QUANT_STEP_LIMIT,
+                                f"{step_ratio:.2f}x bf16's step ({rate[(mode, n)]:.0f} against "
+                                f"{rate[('bfloat16', n)]:.0f} tokens/s; above {QUANT_STEP_LIMIT}x means a kernel "
+                                "is missing)"))
+            say(("PASS " if checks[-1].passed else "FAIL ") + checks[-1].name + ": " + checks[-1].detail)
+    return checks
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -427,6 +554,13 @@ def main(argv: list[str] | None = None) -> int:
                     [int(x) for x in args.sessions.split(",")], args.context, args.steps)
     else:
         say("== 4. tensor parallelism: skipped (one GPU; --tensor-parallel N on a pod with N GPUs) ==")
+    say("== 5. quantised served layers: int8 and int4 on this GPU against float32, memory and decode step ==")
+    with tempfile.TemporaryDirectory(prefix="infemeral-gpu-check-quant-") as tmp:
+        if not args.skip_model:
+            attempt("quantised model", check_quantized_model, Path(tmp))
+        attempt("quantised layers", check_quantized_layers, min(args.layers, 8), [int(x) for x in
+                                                                                  args.sessions.split(",")][:2],
+                args.context, args.steps)
     failed = [c for c in checks if not c.passed]
     say(f"\ngpu_check: {len(checks) - len(failed)} of {len(checks)} checks passed")
     for c in failed:
