@@ -427,6 +427,40 @@ def test_server_with_a_killed_rank_exits_non_zero_and_committed_sessions_are_int
         one.stop()
 
 
+@pytest.mark.slow
+def test_torchrun_starts_the_ranks_instead(tmp_path):
+    """`torchrun --nproc-per-node 2 infemeral-server`: rank 0 serves (its WORLD_SIZE is the rank count), rank 1
+    works for it, and a SIGINT to the launcher's process group stops both cleanly."""
+    bundle, _ = prepared("llama", tmp_path)
+    port, d = free_port(), bundle.config.hidden_size
+    torchrun = Path(sys.executable).with_name("torchrun")
+    env = dict(os.environ, INFEMERAL_STORE=str(tmp_path / "store"), INFEMERAL_METRICS_PORT="0")
+    proc = subprocess.Popen([str(torchrun), "--nproc-per-node", "2", "-m", "infemeral.server.main", "--bundle",
+                             str(bundle.directory), "--listen", f"127.0.0.1:{port}", "--device", "cpu", "--dtype",
+                             "float32"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        wait_serving(f"127.0.0.1:{port}", proc)
+        ranks = psutil.Process(proc.pid).children()
+        assert len(ranks) == 2
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            turn = RawTurn(pb_grpc.InfemeralStub(channel))
+            turn.send(pb.TurnRequest(open=pb.OpenTurn(session_id=b"t" * 16, session_key=b"k" * 32,
+                                                      bundle_fingerprint=bundle.fingerprint)))
+            answer = turn.send(pb.TurnRequest(step=pb.Step(hidden=to_proto(torch.randn(5, d)), cache_length=0)))
+            assert answer.step.cache_length == 5
+            assert turn.send(pb.TurnRequest(commit=pb.Commit())).committed.version == 1
+        os.killpg(proc.pid, signal.SIGINT)  # as Ctrl-C in a terminal: every process of the group
+        proc.wait(timeout=60)
+        psutil.wait_procs(ranks, timeout=30)
+        log = proc.stdout.read()
+        assert "rank 1 stopped" in log and "infemeral.server.app: stopped" in log, log
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 # -- three gloo ranks, the default model ---------------------------------------------------------------
 @pytest.mark.slow
 def test_three_ranks_serve_the_default_model_as_one_rank_does(bundles, server, client, tmp_path):
