@@ -435,10 +435,11 @@ def test_torchrun_starts_the_ranks_instead(tmp_path):
     port, d = free_port(), bundle.config.hidden_size
     torchrun = Path(sys.executable).with_name("torchrun")
     env = dict(os.environ, INFEMERAL_STORE=str(tmp_path / "store"), INFEMERAL_METRICS_PORT="0")
-    proc = subprocess.Popen([str(torchrun), "--nproc-per-node", "2", "-m", "infemeral.server.main", "--bundle",
-                             str(bundle.directory), "--listen", f"127.0.0.1:{port}", "--device", "cpu", "--dtype",
-                             "float32"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    # --standalone: the launcher's rendezvous on a free port, not the fixed 29500 another job may hold
+    proc = subprocess.Popen([str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "infemeral.server.main",
+                             "--bundle", str(bundle.directory), "--listen", f"127.0.0.1:{port}", "--device", "cpu",
+                             "--dtype", "float32"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
     try:
         wait_serving(f"127.0.0.1:{port}", proc)
         ranks = psutil.Process(proc.pid).children()
