@@ -240,3 +240,37 @@ def test_a_quantised_bundle_serves_over_grpc(prepared, tiny, tmp_path):
         finally:
             server.stop(0)
     assert answers["int4-hqq"], "the int4 server produced no tokens"
+
+
+def test_the_audit_reads_a_quantised_server_bundle(prepared):
+    """The audit's K/V inversion runs the first served layer as the server does, quantised."""
+    from infemeral.audit import audit
+
+    report = audit("w5 w9 w11 w3 w7 w8", prepared["int4-rtn"].client_dir, progress=False)
+    kv = next(row for row in report.rows if row.key == "kv")
+    assert kv.metrics and "%" in kv.overall
+
+
+def test_the_command_line_prepares_and_evaluates_a_quantised_bundle(tiny, tmp_path, capsys):
+    """`prepare --server-quant int4 --group-size 32 --quant-method rtn`, then `eval server-quant` on it."""
+    from infemeral.cli.main import main
+
+    model, tokenizer = tiny
+    checkpoint = tmp_path / "checkpoint"
+    model.save_pretrained(checkpoint)
+    tokenizer.save_pretrained(checkpoint)
+    out = tmp_path / "bundles"
+    assert main(["prepare", str(checkpoint), "--output", str(out), "--server-quant", "int4", "--group-size", "32",
+                 "--quant-method", "rtn", "--quiet"]) == 0
+    manifest = json.loads((out / "server" / "manifest.json").read_text())
+    assert manifest["server_quant"] == {"scheme": "int4", "method": "rtn", "group_size": 32}
+    text = tmp_path / "held.txt"
+    text.write_text(" ".join(f"w{3 + (7 * i) % 60}" for i in range(200)))
+    capsys.readouterr()
+    assert main(["eval", "server-quant", "--model", str(checkpoint), "--client-bundle", str(out / "client"),
+                 "--text", str(text), "--tokens", "128", "--positions", "16"]) == 0
+    line = capsys.readouterr().out
+    assert "int4 (rtn, groups of 32)" in line and "perplexity" in line and "top-1" in line
+    assert main(["prepare", str(checkpoint), "--output", str(tmp_path / "bad"), "--server-quant", "int4",
+                 "--group-size", "48", "--quiet"]) == 2  # not a kernel's group size: one line, exit 2
+    assert "group size must be one of 32, 64, 128, 256" in capsys.readouterr().err

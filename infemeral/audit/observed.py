@@ -18,7 +18,7 @@ from infemeral.client.model.half import ClientModel
 from infemeral.cloak.bundle import DTYPES, ServerBundle
 from infemeral.errors import InvalidArgument
 from infemeral.kvcache.prefix import common_prefix
-from infemeral.model.layers import LayerStack
+from infemeral.quant.served import load_stack
 from infemeral.server.settings import ServerSettings
 
 # A fresh session sends its prompt in steps of at most the server's max_step_tokens.
@@ -71,7 +71,8 @@ def served_keys_values(server: ServerBundle, hidden: torch.Tensor,
                        step_tokens: int = STEP_TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values [kv_heads, n, head_dim] the first served layer keeps for `hidden` (received states)."""
     first = server.first_layer
-    stack = LayerStack(server.config, first, [server.layer_weights(first)], dtype=DTYPES[server.manifest["dtype"]])
+    # as the server runs it (quantised layers through their kernels)
+    stack = load_stack(server, DTYPES[server.manifest["dtype"]], layers=range(first, first + 1))
     cache = stack.new_cache(hidden.shape[0])
     for i in range(0, hidden.shape[0], step_tokens):
         stack(hidden[i:i + step_tokens], cache)

@@ -46,7 +46,7 @@ class PublicWeights:
         served = None
         if server is not None:
             first = server.first_layer
-            served = LayerStack(server.config, first, [unrotate_layer(server.layer_weights(first), basis)])
+            served = LayerStack(server.config, first, [unrotate_layer(server.float_layer_weights(first), basis)])
         return cls(model.config, model.embed.dense(), model.layers, served, None,
                    "the client bundle's plain layers, and the server bundle un-rotated with Q")
 

@@ -141,7 +141,7 @@ class Audit:
         rows, estimate, metrics = [], self.basis, {}
         observer = "public weights + Q (simulated: the client knows Q)"
         if self.is_public and self.server is not None:
-            rotated = self.server.layer_weights(self.server.first_layer)["self_attn.o_proj.weight"]
+            rotated = self.server.float_layer_weights(self.server.first_layer)["self_attn.o_proj.weight"]
             t0 = time.perf_counter()
             estimate = solve_basis(self.weights.served_o_proj, rotated)
             solve_seconds = time.perf_counter() - t0

@@ -32,7 +32,8 @@ def prepare(args) -> int:
     output = args.output or DATA_HOME / "bundles" / "default"
     result = prepare_bundles(None if args.model == "default" else args.model, output, client_dir=args.client_dir,
                      server_dir=args.server_dir, client_layers=args.client_layers, dtype=args.dtype,
-                     progress=not args.quiet, client_quant=args.client_quant)
+                     progress=not args.quiet, client_quant=args.client_quant, server_quant=args.server_quant,
+                     group_size=args.group_size, quant_method=args.quant_method)
     print(f"client bundle (keep private): {result.client_dir}")
     print(f"server bundle (upload to the pod): {result.server_dir}")
     print(f"server fingerprint: {result.fingerprint}")
@@ -150,6 +151,20 @@ def audit(args) -> int:
     report = audit(prompt, settings.client_bundle, system=args.system, server_bundle=args.server_bundle,
                    public_model=args.public_model, wire_dtype=args.wire_dtype, progress=not args.quiet)
     print(report.to_json(args.show_tokens) if args.json else report.text(args.show_tokens))
+    return 0
+
+
+def evaluate(args) -> int:
+    """`eval server-quant`: the bundles' served layers against the float32 model, in perplexity and agreement."""
+    from infemeral.cloak.bundle import ClientBundle
+    from infemeral.eval import server_quant
+
+    settings = settings_from_args(ClientSettings, args)
+    client_dir = Path(settings.client_bundle).expanduser()
+    server_dir = args.server_bundle or ClientBundle.open(client_dir).directory.parent / "server"
+    report = server_quant.run_bundle(args.model, client_dir, server_dir, args.text or server_quant.DEFAULT_TEXT,
+                                     args.tokens, args.positions, args.dtype)
+    print(report.describe())
     return 0
 
 

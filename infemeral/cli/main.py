@@ -30,6 +30,8 @@ first steps:
   infemeral-client generate "What is the capital of France?"
   infemeral-client chat --session work           # resumable chat
   infemeral-client audit "My SSN is 078-05-1120"  # what could the pod learn from this prompt?
+  infemeral-client prepare --server-quant int4   # served layers in int4 (~0.28x of bf16)
+  infemeral-client eval server-quant             # what that costs in perplexity and agreement
   infemeral-client serve                         # OpenAI-compatible API on http://127.0.0.1:8080/v1
 
 Every flag can also be set as an INFEMERAL_* environment variable, e.g.
@@ -76,6 +78,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--client-quant", default="none", choices=["none", "int8"],
                    help="int8: store the client's layers, embedding and LM head as int8 with per-row scales "
                         "(a client bundle ~4x smaller than float32; it then always runs with int8 weights)")
+    p.add_argument("--server-quant", default="none", choices=["none", "int8", "int4"],
+                   help="store the served layers quantised: int8 (a scale per row, ~0.5x bf16) or int4 (groups of "
+                        "--group-size input columns, ~0.28x bf16 at 64); measure the cost on your model with "
+                        "`infemeral-client eval server-quant`")
+    p.add_argument("--group-size", type=int, default=None,
+                   help="int4: input columns per scale and zero, 32, 64, 128 or 256 (default: 64)")
+    p.add_argument("--quant-method", default=None, choices=["rtn", "hqq", "gptq"],
+                   help="how codes are chosen: rtn (round to nearest), hqq (data-free fit, int4 only; needs "
+                        "infemeral[quant]) or gptq (calibrated here on a few thousand tokens of chat text; default)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
     g = sub.add_parser("generate", help="answer one prompt, streaming the text",
@@ -149,6 +160,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also print what each attack recovers of your text (that is your secret: mind your screen)")
     a.add_argument("--quiet", action="store_true", help="no progress bar")
 
+    e = sub.add_parser("eval", help="measure what a setting costs in quality (runs locally)")
+    evals = e.add_subparsers(dest="eval", required=True, metavar="WHAT")
+    q = evals.add_parser("server-quant", help="a (quantised) server bundle against the float32 model",
+                         description="Perplexity on held text and greedy agreement with the float32 model (which the "
+                                     "float32 split matches token for token) of your client and server bundle, the "
+                                     "served layers run through the kernels the server uses. Runs on this machine.")
+    q.add_argument("--model", help="the model the bundles were prepared from (default: the packaged SmolLM2)")
+    add_settings_flags(q, ClientSettings, ("client_bundle",))
+    q.add_argument("--server-bundle", type=Path,
+                   help="the matching server bundle (default: the server/ directory next to the client bundle)")
+    q.add_argument("--text", type=Path, help="held text for perplexity (default: a Genesis excerpt in the repository)")
+    q.add_argument("--tokens", type=int, default=1024, help="tokens of it to score (default: 1024)")
+    q.add_argument("--positions", type=int, default=512, help="greedy positions compared (default: 512)")
+    q.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="activations of the served layers (default: float32)")
+
     d = sub.add_parser("delete", help="delete a saved session here and on the server")
     d.add_argument("--session", required=True, help="name of the saved session")
     add_settings_flags(d, ClientSettings, CONNECTION + ("sessions_dir",))
@@ -157,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 COMMANDS = {"prepare": commands.prepare, "generate": commands.generate, "chat": commands.chat, "info": commands.info,
             "audit": commands.audit, "delete": commands.delete, "forget-answers": commands.forget_answers,
-            "serve": commands.serve}
+            "serve": commands.serve, "eval": commands.evaluate}
 
 
 def main(argv: list[str] | None = None) -> int:

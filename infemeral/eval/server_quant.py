@@ -1,0 +1,577 @@
+"""How much quantising the served layers costs in quality: perplexity and greedy agreement with float32.
+
+Two measurements:
+
+* `methods`: the served layers of one model quantised every way worth comparing, in float32 arithmetic
+  (weights dequantised after quantisation, so only the rounding is measured), in four arrangements:
+  - `plain`: the model's own weights, norm gains apart (what ordinary quantisers see);
+  - `folded`: gains folded into the weights that read each norm, no rotation;
+  - `rotated`: folded and rotated, what the pod holds (W·diag(γ)·Q, Qᵀ·W);
+  - `gains apart`: W·Q quantised and Qᵀ·diag(γ)·Q (a dense d×d matrix per norm) kept in float.
+  Methods: round-to-nearest symmetric (`rtn-sym`, the textbook baseline) and asymmetric (`rtn`), HQQ
+  (data-free), GPTQ (calibrated on the chat text of infemeral/quant/calibration_text.py).
+* `bundle`: a user's own client and server bundle (quantised or not) against the plain model in float32,
+  which the float32 split matches token for token (DESIGN.md §1), through the real kernels.
+
+Perplexity is over held text (default: tests/data/kjv_genesis_37-40.txt, never calibrated on), scored
+in chunks with dense attention. Agreement: float32 greedy continuations of chat prompts, teacher-forced
+through the candidate; top-1 agreement over every position and the first divergence (the token where
+free-running greedy decoding with the candidate would part from float32).
+
+    python -m infemeral.eval.server_quant methods --write docs/server_quant.md
+    infemeral-client eval server-quant --model MODEL --client-bundle bundles/client --server-bundle bundles/server
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import PretrainedConfig
+
+from infemeral.cloak.rotate import rotate_layer
+from infemeral.model import architecture
+from infemeral.model.architecture import NORM_FEEDS
+from infemeral.model.layers import LayerStack
+from infemeral.quant import served
+from infemeral.quant.calibration import Calibration, calibration_ids
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_TEXT = REPO / "tests" / "data" / "kjv_genesis_37-40.txt"
+# The text the first measurements used (DESIGN.md §13): the GPL-3 licence as Debian and Ubuntu install it.
+# Not copied into this repository (it would read as a licence of the project); used where the system has it.
+GPL3_TEXT = Path("/usr/share/common-licenses/GPL-3")
+DEFAULT_DOC = REPO / "docs" / "server_quant.md"
+TABLE_START, TABLE_END = "<!-- server-quant-table:start -->", "<!-- server-quant-table:end -->"
+ROWS = ("plain", "folded", "rotated", "gains apart")
+ROW_TITLES = {"plain": "plain model, norm gains apart", "folded": "gains folded in, no rotation",
+              "rotated": "folded and rotated (the pod's weights)",
+              "gains apart": "rotated, Qᵀ·diag(γ)·Q kept apart in float"}
+METHODS = ("rtn-sym", "rtn", "hqq", "gptq")
+TEXT_TOKENS = 1024
+CHUNK = 256
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One way to quantise every served linear: int8 per row, or int4 in groups."""
+
+    scheme: str
+    method: str
+    group_size: int | None = None
+    int8_linears: tuple[str, ...] = ()  # int4 modes: linears kept in int8
+
+    @property
+    def label(self) -> str:
+        label = f"{self.scheme} {'per row' if self.group_size is None else f'g={self.group_size}'}"
+        if self.int8_linears:
+            label += ", " + "/".join(n.rsplit(".", 1)[1].removesuffix("_proj") for n in self.int8_linears) + " int8"
+        return label
+
+    @classmethod
+    def of(cls, quant: served.ServerQuant) -> "Mode":
+        return cls(quant.scheme, quant.method, quant.group_size)
+
+
+# -- the model, arranged as each row needs it --------------------------------------------------------------
+class MixedNorm(torch.nn.Module):
+    """A gain-free RMSNorm followed by a dense d×d matrix: rms-normalise, then multiply by Qᵀ·diag(γ)·Q."""
+
+    def __init__(self, eps: float, mix: torch.Tensor):
+        super().__init__()
+        self.eps = eps
+        self.register_buffer("mix", mix)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return h.to(x.dtype) @ self.mix
+
+
+def use_mixed_norms(config: PretrainedConfig) -> Callable[[torch.nn.Module], None]:
+    def adapt(layer: torch.nn.Module) -> None:
+        for norm in NORM_FEEDS:
+            with torch.device("meta"):
+                setattr(layer, norm, MixedNorm(config.rms_norm_eps, torch.empty(config.hidden_size,
+                                                                                config.hidden_size)))
+    return adapt
+
+
+class Reference:
+    """A model's float32 tensors split as infemeral splits it: client layers, served layers, tables, Q."""
+
+    def __init__(self, config: PretrainedConfig, state_dict: Mapping[str, torch.Tensor], tokenizer,
+                 client_layers: int = 1, basis: torch.Tensor | None = None, seed: int = 0):
+        from infemeral.cloak.basis import random_orthogonal
+
+        self.config, self.tokenizer, self.client_layers = config, tokenizer, client_layers
+        prefix = "model." if any(k.startswith("model.layers.") for k in state_dict) else ""
+        self.layers = []
+        for i in range(config.num_hidden_layers):
+            head = f"{prefix}layers.{i}."
+            self.layers.append({k[len(head):]: v.float() for k, v in state_dict.items() if k.startswith(head)})
+        self.embed = state_dict[f"{prefix}embed_tokens.weight"].float()
+        self.head = state_dict.get("lm_head.weight", self.embed).float()
+        self.norm = state_dict[f"{prefix}norm.weight"].float()
+        self.basis = (basis if basis is not None else
+                      random_orthogonal(config.hidden_size, seed.to_bytes(32, "little"))).to(torch.float64)
+
+    @classmethod
+    def from_transformers(cls, model, tokenizer, **kwargs) -> "Reference":
+        return cls(model.config, model.state_dict(), tokenizer, **kwargs)
+
+    @property
+    def served(self) -> range:
+        return range(self.client_layers, self.config.num_hidden_layers)
+
+    def arranged(self, row: str, index: int) -> dict[str, torch.Tensor]:
+        """Served layer `index` in float32 as `row` arranges it (gains apart: `<norm>.mix` holds Qᵀ·diag(γ)·Q)."""
+        weights = self.layers[index]
+        if row == "plain":
+            return dict(weights)
+        if row == "folded":
+            return rotate_layer(weights, torch.eye(self.config.hidden_size, dtype=torch.float64), torch.float32)
+        if row == "rotated":
+            return rotate_layer(weights, self.basis, torch.float32)
+        if row != "gains apart":
+            raise ValueError(f"unknown row {row!r}")
+        gainless = dict(weights)
+        q = self.basis
+        mixes = {}
+        for norm in NORM_FEEDS:
+            gamma = weights[f"{norm}.weight"].to(torch.float64)
+            mixes[f"{norm}.mix"] = (q.T @ torch.diag(gamma) @ q).to(torch.float32)
+            gainless[f"{norm}.weight"] = torch.ones_like(weights[f"{norm}.weight"])
+        out = rotate_layer(gainless, q, torch.float32)
+        for norm in NORM_FEEDS:
+            del out[f"{norm}.weight"]
+        return {**out, **mixes}
+
+    def rotates(self, row: str) -> bool:
+        return row in ("rotated", "gains apart")
+
+    def adapt(self, row: str):
+        return use_mixed_norms(self.config) if row == "gains apart" else None
+
+
+def quantize_row(ref: Reference, row: str, mode: Mode | None,
+                 progress: Callable[[str], None] | None = None) -> list[dict[str, torch.Tensor]]:
+    """The served layers of `row` with every linear quantised by `mode` and dequantised to float32 again
+    (None: left in float32). GPTQ calibrates layer by layer on the already-quantised layers' outputs."""
+    calibration = None
+    if mode is not None and mode.method == "gptq":
+        calibration = Calibration.from_tokens(ref.config, ref.embed, calibration_ids(ref.tokenizer))
+        calibration.advance_stack(0, ref.layers[:ref.client_layers])
+        if ref.rotates(row):
+            calibration.rotate(ref.basis)
+        calibration.adapt_layer = ref.adapt(row)
+    out = []
+    for i in ref.served:
+        weights = ref.arranged(row, i)
+        if mode is None:
+            out.append(weights)
+            continue
+        hessians = calibration.hessians(i, weights) if calibration is not None else None
+        quantized = dict(weights)
+        for name in served.LINEARS:
+            scheme, group = ("int8", None) if name in mode.int8_linears else (mode.scheme, mode.group_size)
+            stored = served.quantize_linear(weights[f"{name}.weight"], scheme, "rtn" if mode.method == "rtn-sym"
+                                            else mode.method, group, hessians[name] if hessians else None,
+                                            symmetric=mode.method == "rtn-sym")
+            quantized[f"{name}.weight"] = served.dequantize_layer({f"{name}.{k}": t for k, t in stored.items()})[
+                f"{name}.weight"]
+        if calibration is not None:
+            calibration.advance(i, quantized)
+        out.append(quantized)
+        if progress:
+            progress(f"layer {i}")
+    return out
+
+
+class FloatSplit:
+    """Embedding, client layers, Q, the given served layers, Qᵀ, final norm and head, all in float32."""
+
+    def __init__(self, ref: Reference, row: str, served_layers: list[dict[str, torch.Tensor]]):
+        self.ref = ref
+        self.client = LayerStack(ref.config, 0, ref.layers[:ref.client_layers])
+        self.server = LayerStack(ref.config, ref.client_layers, served_layers, adapt_layer=ref.adapt(row))
+        self.q = ref.basis.to(torch.float32) if ref.rotates(row) else None
+        norm_cls = architecture.norm_class(ref.config)
+        self.norm = norm_cls(ref.config.hidden_size, eps=ref.config.rms_norm_eps)
+        self.norm.weight.data = ref.norm
+        self.norm.requires_grad_(False)
+
+    def new_cache(self):
+        return self.client.new_cache(), self.server.new_cache()
+
+    @torch.inference_mode()
+    def logits(self, ids: list[int], cache) -> torch.Tensor:
+        client_cache, server_cache = cache
+        h = self.client(self.ref.embed[torch.tensor(ids)], client_cache)
+        if self.q is not None:
+            h = h @ self.q
+        h = self.server(h, server_cache)
+        if self.q is not None:
+            h = h @ self.q.T
+        return (self.norm(h.unsqueeze(0))[0] @ self.ref.head.T).float()
+
+
+class BundleSplit:
+    """A client bundle in float32 and a server bundle through its real layers (kernels and all)."""
+
+    def __init__(self, client_dir: Path, server_dir: Path, dtype: torch.dtype = torch.float32,
+                 device: str = "cpu"):
+        from infemeral.client.model.half import ClientModel
+        from infemeral.cloak.bundle import ClientBundle, ServerBundle
+
+        self.client = ClientModel(ClientBundle.open(client_dir), dtype="float32", device="cpu")
+        bundle = ServerBundle.open(server_dir)
+        if bundle.fingerprint != self.client.bundle.server_fingerprint:
+            raise ValueError(f"{server_dir} is not the server bundle {client_dir} was prepared with")
+        self.quant = served.ServerQuant.from_manifest(bundle.manifest)
+        self.server = served.load_stack(bundle, dtype, device)
+
+    def new_cache(self):
+        return self.client.new_cache(), self.server.new_cache()
+
+    @torch.inference_mode()
+    def logits(self, ids: list[int], cache) -> torch.Tensor:
+        client_cache, server_cache = cache
+        out = self.server(self.client.cloak(ids, client_cache), server_cache)
+        return self.client.logits(out.to(torch.float32))
+
+
+class PlainReference:
+    """Plain transformers in float32 (what the float32 split matches token for token)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config)
+
+    @torch.inference_mode()
+    def logits(self, ids: list[int], cache) -> torch.Tensor:
+        return self.model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True).logits[0].float()
+
+
+# -- the measures ---------------------------------------------------------------------------------------------
+def perplexity(system, ids: list[int], chunk: int = CHUNK) -> float:
+    """exp(mean NLL) of ids[1:] given the ids before each, fed `chunk` tokens at a time with dense attention."""
+    cache, total = system.new_cache(), 0.0
+    for start in range(0, len(ids) - 1, chunk):
+        part = ids[start:min(start + chunk, len(ids) - 1)]
+        logp = torch.log_softmax(system.logits(part, cache), dim=-1)
+        targets = torch.tensor(ids[start + 1:start + 1 + len(part)])
+        total -= float(logp.gather(1, targets.unsqueeze(1)).sum())
+    return math.exp(total / (len(ids) - 1))
+
+
+@dataclass
+class Agreement:
+    positions: int
+    top1_matches: int
+    first_divergence: int | None  # earliest over the sequences, in tokens of a continuation
+    divergences: list = field(default_factory=list)
+
+    @property
+    def top1_rate(self) -> float:
+        return self.top1_matches / self.positions if self.positions else float("nan")
+
+    def describe(self) -> str:
+        first = "none" if self.first_divergence is None else f"token {self.first_divergence}"
+        return f"top-1 {self.top1_matches}/{self.positions} ({self.top1_rate:.1%}), first divergence {first}"
+
+
+@torch.inference_mode()
+def greedy_sequences(system, prompts: list[list[int]], positions: int, stop: set[int],
+                     per_prompt: int | None = None) -> list[tuple[list[int], list[int]]]:
+    """Greedy continuations (prompt, tokens) from `system` until `positions` tokens in all."""
+    per_prompt = per_prompt or -(-positions // len(prompts))
+    out, total = [], 0
+    while total < positions:
+        for prompt in prompts:
+            cache, ids, generated = system.new_cache(), list(prompt), []
+            while len(generated) < per_prompt:
+                token = int(system.logits(ids, cache)[-1].argmax())
+                if token in stop:
+                    break
+                generated.append(token)
+                ids = [token]
+            if generated:
+                out.append((list(prompt), generated))
+                total += len(generated)
+            if total >= positions:
+                break
+        per_prompt *= 2  # answers that stop early: ask the prompts again for longer ones
+        if not out:
+            raise ValueError("the reference stops at once on every prompt")
+    return out
+
+
+@torch.inference_mode()
+def teacher_forced_top1(system, prompt: list[int], continuation: list[int]) -> torch.Tensor:
+    cache = system.new_cache()
+    ids = prompt + continuation[:-1]
+    rows = [system.logits(ids[s:s + CHUNK], cache) for s in range(0, len(ids), CHUNK)]
+    return torch.cat(rows)[len(prompt) - 1:].argmax(-1)
+
+
+def agreement(candidate, sequences: list[tuple[list[int], list[int]]]) -> Agreement:
+    """Top-1 of `candidate` against the reference's own greedy continuations."""
+    matches, divergences = 0, []
+    for prompt, continuation in sequences:
+        same = teacher_forced_top1(candidate, prompt, continuation) == torch.tensor(continuation)
+        matches += int(same.sum())
+        differ = (~same).nonzero()
+        divergences.append(int(differ[0]) if len(differ) else None)
+    seen = [d for d in divergences if d is not None]
+    return Agreement(sum(len(c) for _, c in sequences), matches, min(seen) if seen else None, divergences)
+
+
+# -- the methods table ----------------------------------------------------------------------------------------
+@dataclass
+class Cell:
+    row: str
+    method: str
+    mode: str
+    perplexity: float
+    ratio: float  # to the float32 model's perplexity
+    seconds: float  # quantising every served layer (GPTQ: with its calibration)
+
+
+def default_modes(groups=(32, 64, 192)) -> list[Mode]:
+    modes = [Mode("int8", m) for m in ("rtn", "gptq")]
+    modes += [Mode("int4", m, g) for g in groups for m in METHODS]
+    return modes
+
+
+def measure_methods(ref: Reference, ids: list[int], modes: list[Mode], rows=ROWS,
+                    progress: Callable[[str], None] = lambda s: None) -> tuple[float, list[Cell]]:
+    base = perplexity(FloatSplit(ref, "rotated", quantize_row(ref, "rotated", None)), ids)
+    progress(f"float32: perplexity {base:.3f}")
+    cells = []
+    for row in rows:
+        for mode in modes:
+            if mode.scheme == "int8" and mode.method in ("rtn-sym", "hqq"):
+                continue  # int8 rtn is symmetric already; hqq fits a zero point the int8 kernel lacks
+            t = time.perf_counter()
+            layers = quantize_row(ref, row, mode)
+            seconds = time.perf_counter() - t
+            ppl = perplexity(FloatSplit(ref, row, layers), ids)
+            cells.append(Cell(row, mode.method, mode.label, ppl, ppl / base, seconds))
+            progress(f"{row:12s} {mode.label:9s} {mode.method:8s} ppl {ppl:8.3f} ({ppl / base:.3f}x), "
+                     f"quantised in {seconds:.0f} s")
+    return base, cells
+
+
+def methods_table(cells: list[Cell]) -> str:
+    labels = list(dict.fromkeys(c.mode for c in cells))
+    lines = ["| served layers | method | " + " | ".join(labels) + " |", "|---|---|" + "---:|" * len(labels)]
+    for row in dict.fromkeys(c.row for c in cells):
+        for method in METHODS:
+            found = {c.mode: c for c in cells if c.row == row and c.method == method}
+            if not found:
+                continue
+            values = [f"{found[lab].ratio:.3f}x" if lab in found else "–" for lab in labels]
+            lines.append(f"| {ROW_TITLES[row]} | {method} | " + " | ".join(values) + " |")
+    return "\n".join(lines)
+
+
+def write_block(path: Path, body: str, start: str = TABLE_START, end: str = TABLE_END) -> None:
+    block = f"{start}\n{body}\n{end}"
+    text = path.read_text() if path.exists() else "# Quantised served layers\n"
+    if start in text and end in text:
+        text = re.sub(re.escape(start) + ".*?" + re.escape(end), lambda _: block, text, flags=re.S)
+    else:
+        text = text.rstrip() + f"\n\n{block}\n"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+# -- a user's bundle -----------------------------------------------------------------------------------------
+AGREEMENT_PROMPTS = (
+    "Write a long story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain in detail how a bicycle works, part by part.",
+    "Describe a walk through a busy city market in the morning.",
+    "Tell me about the history of sailing ships.",
+)
+
+
+@dataclass
+class BundleReport:
+    quant: str
+    text_tokens: int
+    reference_perplexity: float
+    perplexity: float
+    agreement: Agreement
+
+    @property
+    def ratio(self) -> float:
+        return self.perplexity / self.reference_perplexity
+
+    def describe(self) -> str:
+        return (f"served layers {self.quant}: perplexity {self.perplexity:.3f} against {self.reference_perplexity:.3f} "
+                f"in float32 ({self.ratio:.3f}x) over {self.text_tokens} tokens; {self.agreement.describe()}")
+
+
+def held_texts() -> dict[str, Path]:
+    """The held texts for perplexity: the Genesis excerpt always, the GPL-3 licence where the system has it."""
+    texts = {"KJV Genesis 37-40": DEFAULT_TEXT}
+    if GPL3_TEXT.exists():
+        texts["GPL-3"] = GPL3_TEXT
+    return texts
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                        tokenize=True)
+    return list(ids if isinstance(ids, list) else ids["input_ids"])
+
+
+def measure_bundle(reference, candidate, tokenizer, text: str, text_tokens: int = TEXT_TOKENS,
+                   positions: int = 512, stop: set[int] = frozenset(), quant: str = "") -> BundleReport:
+    """Perplexity and greedy agreement of `candidate` against `reference` (both `.logits(ids, cache)` systems)."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"][:text_tokens]
+    prompts = [chat_ids(tokenizer, p) for p in AGREEMENT_PROMPTS]
+    sequences = greedy_sequences(reference, prompts, positions, set(stop))
+    return BundleReport(quant, len(ids), perplexity(reference, ids), perplexity(candidate, ids),
+                        agreement(candidate, sequences))
+
+
+def run_bundle(model: str | None, client_dir: Path, server_dir: Path, text: Path = DEFAULT_TEXT,
+               text_tokens: int = TEXT_TOKENS, positions: int = 512, dtype: str = "float32") -> BundleReport:
+    from infemeral.cloak.bundle import DTYPES
+    from infemeral.eval.perplexity import load_model
+
+    plain, tokenizer = load_model(model)
+    candidate = BundleSplit(client_dir, server_dir, DTYPES[dtype])
+    eos = candidate.client.bundle.generation_config().eos_token_id
+    stop = set(eos if isinstance(eos, list) else [] if eos is None else [eos]) | {tokenizer.eos_token_id}
+    return measure_bundle(PlainReference(plain), candidate, tokenizer, text.read_text(), text_tokens, positions,
+                          stop - {None}, candidate.quant.describe())
+
+
+# -- what fits where ---------------------------------------------------------------------------------------------
+SHAPES = {  # served layers = all but the client's first
+    "Llama-3-8B": dict(hidden=4096, ffn=14336, layers=32, heads=32, kv_heads=8, head_dim=128),
+    "Llama-3-70B": dict(hidden=8192, ffn=28672, layers=80, heads=64, kv_heads=8, head_dim=128),
+}
+GPUS_GB = (24, 48, 80, 141)
+OVERHEAD_GB = 2.0  # CUDA context, activations of a batch, attention workspace
+
+
+def served_bytes(shape: dict, mode: str, group_size: int = 64) -> float:
+    """Bytes of a model's served layers (all but one) in `mode`: bfloat16, int8 (a bf16 scale per row), int4."""
+    d, f, kv = shape["hidden"], shape["ffn"], shape["kv_heads"] * shape["head_dim"]
+    q = shape["heads"] * shape["head_dim"]
+    linears = [(q, d), (kv, d), (kv, d), (d, q), (f, d), (f, d), (d, f)]  # (out, in)
+    params = sum(n * k for n, k in linears)
+    rows = sum(n for n, _ in linears)
+    per_layer = {"bfloat16": 2 * params, "int8": params + 4 * rows,
+                 "int4": params / 2 + 4 * params / group_size}[mode] + 2 * 2 * d  # + two norms
+    return per_layer * (shape["layers"] - 1)
+
+
+def kv_bytes_per_token(shape: dict, itemsize: int = 2) -> float:
+    return (shape["layers"] - 1) * 2 * shape["kv_heads"] * shape["head_dim"] * itemsize
+
+
+def fits_table(context: int = 8192, group_size: int = 64) -> str:
+    """Sessions of `context` tokens that fit beside the served weights on one GPU, by model, mode and GPU size."""
+    lines = ["| model | served layers | weights GB | KV per session GB | " + " | ".join(f"{g} GB GPU" for g in GPUS_GB)
+             + " |", "|---|---|---:|---:|" + "---:|" * len(GPUS_GB)]
+    for name, shape in SHAPES.items():
+        kv = kv_bytes_per_token(shape) * context / 1e9
+        for mode in ("bfloat16", "int8", "int4"):
+            weights = served_bytes(shape, mode, group_size) / 1e9
+            cells = []
+            for gpu in GPUS_GB:
+                sessions = int((gpu - OVERHEAD_GB - weights) // kv) if gpu - OVERHEAD_GB > weights else 0
+                cells.append(f"{sessions}" if sessions > 0 else "does not fit")
+            label = f"int4 g={group_size}" if mode == "int4" else mode
+            lines.append(f"| {name} | {label} | {weights:.1f} | {kv:.2f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m infemeral.eval.server_quant", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    methods = sub.add_parser("methods", help="every method x mode x arrangement on a model (float32 arithmetic)")
+    methods.add_argument("--model", help="a .gguf file, checkpoint directory or Hub id (default: packaged SmolLM2)")
+    methods.add_argument("--text", type=Path, default=DEFAULT_TEXT)
+    methods.add_argument("--tokens", type=int, default=TEXT_TOKENS)
+    methods.add_argument("--groups", type=int, nargs="+", default=[32, 64, 192])
+    methods.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS))
+    methods.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    methods.add_argument("--threads", type=int, default=None)
+    methods.add_argument("--write", type=Path, nargs="?", const=DEFAULT_DOC, metavar="PATH")
+    bundle = sub.add_parser("bundle", help="a client and server bundle against the plain model in float32")
+    add_bundle_arguments(bundle)
+    fits = sub.add_parser("fits", help="sessions that fit beside the served weights on one GPU (arithmetic)")
+    fits.add_argument("--context", type=int, default=8192)
+    fits.add_argument("--group-size", type=int, default=64)
+    args = parser.parse_args(argv)
+    if args.command == "fits":
+        print(fits_table(args.context, args.group_size))
+        return 0
+    if getattr(args, "threads", None):
+        torch.set_num_threads(args.threads)
+    if args.command == "bundle":
+        return bundle_command(args)
+    from infemeral.eval.perplexity import load_model
+
+    model, tokenizer = load_model(args.model)
+    ref = Reference.from_transformers(model, tokenizer)
+    del model
+    ids = tokenizer(args.text.read_text(), add_special_tokens=False)["input_ids"][:args.tokens]
+    modes = [m for m in default_modes(tuple(args.groups)) if m.method in args.methods]
+    started = time.perf_counter()
+    base, cells = measure_methods(ref, ids, modes, tuple(args.rows), progress=lambda s: print(s, file=sys.stderr))
+    table = methods_table(cells)
+    name = args.model or "packaged SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised to float32)"
+    try:
+        text_name = args.text.resolve().relative_to(REPO)
+    except ValueError:
+        text_name = args.text
+    settings = (f"Model: {name}. Text: `{text_name}`, first {len(ids)} tokens; float32 perplexity {base:.3f}. "
+                f"Cells: perplexity with every served layer quantised, over float32's. "
+                f"({time.perf_counter() - started:.0f} s)")
+    print(settings + "\n\n" + table)
+    for cell in cells:
+        print(asdict(cell), file=sys.stderr)
+    if args.write:
+        write_block(args.write, settings + "\n\n" + table)
+    return 0
+
+
+def add_bundle_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="the model the bundles were prepared from (default: the packaged SmolLM2)")
+    parser.add_argument("--client-bundle", type=Path, default=Path("bundles/client"))
+    parser.add_argument("--server-bundle", type=Path, default=Path("bundles/server"))
+    parser.add_argument("--text", type=Path, default=DEFAULT_TEXT, help="held text for perplexity (default: %(default)s)")
+    parser.add_argument("--tokens", type=int, default=TEXT_TOKENS, help="tokens of it to score (default: %(default)s)")
+    parser.add_argument("--positions", type=int, default=512,
+                        help="greedy positions compared with float32 (default: %(default)s)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                        help="activations of the served layers (default: %(default)s)")
+
+
+def bundle_command(args) -> int:
+    report = run_bundle(args.model, args.client_bundle, args.server_bundle, args.text, args.tokens, args.positions,
+                        args.dtype)
+    print(report.describe())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
