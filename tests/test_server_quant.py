@@ -118,12 +118,15 @@ def test_gptq_lowers_the_output_error_of_round_to_nearest():
 
 def test_scheme_checks_and_manifest_round_trip():
     assert ServerQuant("int4").to_manifest() == {"scheme": "int4", "method": served.DEFAULT_METHOD["int4"],
-                                                 "group_size": served.DEFAULT_GROUP_SIZE}
+                                                 "group_size": served.DEFAULT_GROUP_SIZE,
+                                                 "int8_linears": list(served.DEFAULT_INT8_LINEARS)}
+    assert ServerQuant("int4", int8_linears=()).scheme_of("self_attn.v_proj") == "int4"
     assert ServerQuant.from_manifest({}) == ServerQuant("none")  # bundles from before quantisation
     entry = ServerQuant("int4", "hqq", 128).to_manifest()
     assert ServerQuant.from_manifest({"server_quant": entry}) == ServerQuant("int4", "hqq", 128)
     for bad in (dict(scheme="int3"), dict(scheme="int4", group_size=48), dict(scheme="int8", method="hqq"),
-                dict(scheme="int8", group_size=64), dict(scheme="none", method="gptq")):
+                dict(scheme="int8", group_size=64), dict(scheme="none", method="gptq"),
+                dict(scheme="int4", int8_linears=("self_attn.x_proj",))):
         with pytest.raises(ValueError):
             ServerQuant(**bad)
     config = LlamaConfig(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3)
@@ -159,7 +162,8 @@ def prepared(tiny, tmp_path_factory):
              "int4-rtn": dict(server_quant="int4", quant_method="rtn", group_size=32),
              "int4-hqq": dict(server_quant="int4", quant_method="hqq", group_size=32),
              "int4-gptq": dict(server_quant="int4", quant_method="gptq", group_size=32, calibration_tokens=512),
-             "int4-rtn-64": dict(server_quant="int4", quant_method="rtn", group_size=64)}
+             "int4-rtn-64": dict(server_quant="int4", quant_method="rtn", group_size=64),
+             "int4-rtn-all": dict(server_quant="int4", quant_method="rtn", group_size=32, int8_linears=())}
     return {kind: prepare(output=out / kind, source=ModelSource(model, tokenizer), progress=False,
                           basis_seed=b"\7" * 32, **kw) for kind, kw in kinds.items()}
 
@@ -175,6 +179,7 @@ def test_manifest_records_the_scheme_and_the_fingerprint_covers_it(prepared):
     assert bundle.manifest["server_quant"]["calibration_tokens"] == 512
     tensors = bundle.layer_weights(1)
     assert tensors["self_attn.q_proj.qweight"].dtype == torch.uint8
+    assert tensors["self_attn.v_proj.weight"].dtype == torch.int8 and "self_attn.v_proj.qweight" not in tensors
     assert tensors["mlp.down_proj.scales"].shape == (HIDDEN, FFN // 32)
     assert tensors["input_layernorm.weight"].dtype == torch.float32
     # changing the recorded scheme is caught like any other edit of the manifest
@@ -197,17 +202,18 @@ def test_quantised_layers_run_through_their_kernels_close_to_float(prepared):
     x = torch.randn(20, HIDDEN, generator=torch.Generator().manual_seed(3))
     want = reference(x, reference.new_cache()) - x
     errors = {}
-    for kind in ("int8-rtn", "int4-rtn", "int4-hqq", "int4-gptq"):
+    for kind in ("int8-rtn", "int4-rtn", "int4-hqq", "int4-gptq", "int4-rtn-all"):
         bundle = ServerBundle.open(prepared[kind].server_dir)
         stack = served.load_stack(bundle, torch.float32)
-        assert set(served.kernels_in_use(stack)) == {"int8 _weight_int8pack_mm" if kind.startswith("int8")
-                                                      else "int4 cpu"}
+        expected = {"int8": {"int8 _weight_int8pack_mm": 14}, "int4-rtn-all": {"int4 cpu": 14}}.get(
+            kind[:4] if kind.startswith("int8") else kind, {"int4 cpu": 10, "int8 _weight_int8pack_mm": 4})
+        assert served.kernels_in_use(stack) == expected
         got = stack(x, stack.new_cache()) - x
         errors[kind] = float((got - want).norm() / want.norm())
         dense = LayerStack(bundle.config, 1, [bundle.float_layer_weights(i) for i in (1, 2)])
         assert torch.allclose(got, dense(x, dense.new_cache()) - x, atol=1e-4)  # the kernel = the dequantised weight
     assert 0 < errors["int8-rtn"] < 0.02
-    assert errors["int4-rtn"] < 0.3 and errors["int4-gptq"] < errors["int4-rtn"]
+    assert errors["int4-rtn"] < errors["int4-rtn-all"] < 0.3 and errors["int4-gptq"] < errors["int4-rtn"]
 
 
 def test_prepare_refuses_a_group_size_the_model_cannot_take(tiny, tmp_path):
@@ -263,14 +269,15 @@ def test_the_command_line_prepares_and_evaluates_a_quantised_bundle(tiny, tmp_pa
     assert main(["prepare", str(checkpoint), "--output", str(out), "--server-quant", "int4", "--group-size", "32",
                  "--quant-method", "rtn", "--quiet"]) == 0
     manifest = json.loads((out / "server" / "manifest.json").read_text())
-    assert manifest["server_quant"] == {"scheme": "int4", "method": "rtn", "group_size": 32}
+    assert manifest["server_quant"] == {"scheme": "int4", "method": "rtn", "group_size": 32,
+                                        "int8_linears": ["self_attn.k_proj", "self_attn.v_proj"]}
     text = tmp_path / "held.txt"
     text.write_text(" ".join(f"w{3 + (7 * i) % 60}" for i in range(200)))
     capsys.readouterr()
     assert main(["eval", "server-quant", "--model", str(checkpoint), "--client-bundle", str(out / "client"),
                  "--text", str(text), "--tokens", "128", "--positions", "16"]) == 0
     line = capsys.readouterr().out
-    assert "int4 (rtn, groups of 32)" in line and "perplexity" in line and "top-1" in line
+    assert "int4 (rtn, groups of 32, k_proj, v_proj in int8)" in line and "perplexity" in line and "top-1" in line
     assert main(["prepare", str(checkpoint), "--output", str(tmp_path / "bad"), "--server-quant", "int4",
                  "--group-size", "48", "--quiet"]) == 2  # not a kernel's group size: one line, exit 2
     assert "group size must be one of 32, 64, 128, 256" in capsys.readouterr().err

@@ -47,7 +47,8 @@ def prepare(model: str | Path | None = None, output: str | Path = "bundles", *,
             client_layers: int = 1, dtype: str = "float32", progress: bool = True,
             source: WeightSource | None = None, basis_seed: bytes | None = None,
             client_quant: str = "none", server_quant: str = "none", group_size: int | None = None,
-            quant_method: str | None = None, calibration_tokens: int | None = None) -> PreparedBundles:
+            quant_method: str | None = None, calibration_tokens: int | None = None,
+            int8_linears: tuple[str, ...] | None = None) -> PreparedBundles:
     """Prepare bundles from `model` (None for the packaged SmolLM2, a directory, Hub id or .gguf).
 
     Writes `<output>/client` (owner-only, keep it private) and `<output>/server`
@@ -58,6 +59,7 @@ def prepare(model: str | Path | None = None, output: str | Path = "bundles", *,
     `server_quant="int8"` or `"int4"` stores the served layers quantised (int4 in groups of
     `group_size` input columns), by `quant_method` (rtn, hqq or gptq; default in
     infemeral/quant/served.py); gptq calibrates on up to `calibration_tokens` tokens of chat text.
+    int4 keeps `int8_linears` in int8 (default: k_proj and v_proj; `()` for none).
     """
     if dtype not in B.DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(B.DTYPES)}, got {dtype!r}")
@@ -67,7 +69,7 @@ def prepare(model: str | Path | None = None, output: str | Path = "bundles", *,
     output = Path(output).expanduser()
     client_dir = Path(client_dir).expanduser() if client_dir else output / "client"
     server_dir = Path(server_dir).expanduser() if server_dir else output / "server"
-    quant = served.ServerQuant(server_quant, quant_method, group_size)
+    quant = served.ServerQuant(server_quant, quant_method, group_size, int8_linears)
     source = source or open_source(model)
     config = B.clean_config(source.config)
     total = config.num_hidden_layers

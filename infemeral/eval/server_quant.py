@@ -77,7 +77,7 @@ class Mode:
 
     @classmethod
     def of(cls, quant: served.ServerQuant) -> "Mode":
-        return cls(quant.scheme, quant.method, quant.group_size)
+        return cls(quant.scheme, quant.method, quant.group_size, tuple(quant.int8_linears or ()))
 
 
 # -- the model, arranged as each row needs it --------------------------------------------------------------

@@ -30,6 +30,9 @@ METHODS = ("rtn", "hqq", "gptq")
 LINEARS = int8.QUANTIZED_LINEARS
 DEFAULT_METHOD = {"int8": "gptq", "int4": "gptq"}
 DEFAULT_GROUP_SIZE = 64
+# int4 keeps these in int8: the value projection alone, in int4, costs more than every other linear together
+# (docs/server_quant.md), and k/v are a few percent of a layer's weights (GQA)
+DEFAULT_INT8_LINEARS = ("self_attn.k_proj", "self_attn.v_proj")
 
 
 @dataclass(frozen=True)
@@ -39,12 +42,13 @@ class ServerQuant:
     scheme: str = "none"
     method: str | None = None
     group_size: int | None = None
+    int8_linears: tuple[str, ...] | None = None  # int4 only: linears kept in int8 (None: the default ones)
 
     def __post_init__(self):
         if self.scheme not in SCHEMES:
             raise ValueError(f"server quantization must be one of {', '.join(SCHEMES)}, not {self.scheme!r}")
         if self.scheme == "none":
-            if self.method is not None or self.group_size is not None:
+            if self.method is not None or self.group_size is not None or self.int8_linears:
                 raise ValueError("a method or group size needs --server-quant int8 or int4")
             return
         method = self.method or DEFAULT_METHOD[self.scheme]
@@ -53,7 +57,7 @@ class ServerQuant:
         if self.scheme == "int8":
             if method == "hqq":
                 raise ValueError("hqq fits a zero point, which int8's per-row kernel does not have; use rtn or gptq")
-            if self.group_size is not None:
+            if self.group_size is not None or self.int8_linears:
                 raise ValueError("int8 has one scale per output row (the kernel's format); --group-size is for int4")
             object.__setattr__(self, "method", method)
             return
@@ -61,8 +65,16 @@ class ServerQuant:
         if group not in int4.KERNEL_GROUP_SIZES:
             raise ValueError(f"int4 group size must be one of {', '.join(map(str, int4.KERNEL_GROUP_SIZES))} "
                              f"(what torch's int4 kernels take), not {group}")
+        kept = DEFAULT_INT8_LINEARS if self.int8_linears is None else tuple(self.int8_linears)
+        if not set(kept) <= set(LINEARS):
+            raise ValueError(f"int8_linears must name linears of a layer ({', '.join(LINEARS)}), not {kept}")
         object.__setattr__(self, "method", method)
         object.__setattr__(self, "group_size", group)
+        object.__setattr__(self, "int8_linears", tuple(name for name in LINEARS if name in kept))
+
+    def scheme_of(self, linear: str) -> str:
+        """int8 or int4 for one linear of a layer (int4 bundles keep `int8_linears` in int8)."""
+        return "int8" if self.scheme == "int8" or linear in (self.int8_linears or ()) else self.scheme
 
     @property
     def is_quantized(self) -> bool:
@@ -76,7 +88,8 @@ class ServerQuant:
         if not self.is_quantized:
             return "not quantized"
         group = f", groups of {self.group_size}" if self.group_size else ", one scale per row"
-        return f"{self.scheme} ({self.method}{group})"
+        kept = "".join(f", {n.rsplit('.', 1)[1]}" for n in self.int8_linears or ())
+        return f"{self.scheme} ({self.method}{group}{kept + ' in int8' if kept else ''})"
 
     def to_manifest(self) -> dict | None:
         if not self.is_quantized:
@@ -84,13 +97,16 @@ class ServerQuant:
         entry = {"scheme": self.scheme, "method": self.method}
         if self.group_size:
             entry["group_size"] = self.group_size
+            entry["int8_linears"] = list(self.int8_linears)
         return entry
 
     @classmethod
     def from_manifest(cls, manifest: Mapping) -> "ServerQuant":
         """The scheme a server bundle's manifest records (bundles prepared before it existed: none)."""
         entry = manifest.get("server_quant") or {}
-        return cls(entry.get("scheme", "none"), entry.get("method"), entry.get("group_size"))
+        kept = entry.get("int8_linears")
+        return cls(entry.get("scheme", "none"), entry.get("method"), entry.get("group_size"),
+                   tuple(kept) if kept is not None else None)
 
     def check_shapes(self, config: PretrainedConfig) -> None:
         """Refuse a group size that does not divide every served linear's input width."""
@@ -128,7 +144,9 @@ def quantize_layer(weights: Mapping[str, torch.Tensor], quant: ServerQuant,
     """One served layer's tensors (float, folded and rotated) with every linear weight quantised."""
     out = {k: v for k, v in weights.items() if k not in {f"{name}.weight" for name in LINEARS}}
     for name in LINEARS:
-        tensors = quantize_linear(weights[f"{name}.weight"], quant.scheme, quant.method, quant.group_size,
+        scheme = quant.scheme_of(name)
+        tensors = quantize_linear(weights[f"{name}.weight"], scheme, quant.method,
+                                  quant.group_size if scheme == "int4" else None,
                                   hessians[name] if hessians is not None else None)
         out.update({f"{name}.{key}": t for key, t in tensors.items()})
     return out
@@ -165,10 +183,10 @@ def adapter(quant: ServerQuant, use_kernels: bool = True) -> Callable[[torch.nn.
             parent = layer.get_submodule(parent_name)
             linear = getattr(parent, attr)
             with torch.device("meta"):
-                if quant.scheme == "int8":
-                    setattr(parent, attr, DequantizedInt8Linear.like(linear))
-                else:
+                if quant.scheme_of(name) == "int4":
                     setattr(parent, attr, int4.Int4Linear.like(linear, quant.group_size, use_kernels))
+                else:
+                    setattr(parent, attr, (int8.Int8Linear if use_kernels else DequantizedInt8Linear).like(linear))
 
     return swap
 
