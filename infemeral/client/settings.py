@@ -7,13 +7,15 @@ its client bundle and of how the laptop's half computes from here.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from infemeral.client.sampling import SamplingParams
 from infemeral.paths import DATA_HOME
+
+if TYPE_CHECKING:  # sampling.py imports torch; the command line reads these settings for --help without it
+    from infemeral.client.sampling import SamplingParams
 
 
 class ClientSettings(BaseSettings):
@@ -63,6 +65,8 @@ class ClientSettings(BaseSettings):
     def sampling(self, model_defaults: dict | None = None) -> SamplingParams:
         """Sampling parameters from these settings. `model_defaults` (the model's generation config, see
         `sampling.generation_defaults`) replaces the settings' own defaults, not values given by flag or env."""
+        from infemeral.client.sampling import SamplingParams
+
         chosen = {name: getattr(self, name) for name in ("max_new_tokens", "temperature", "top_k", "top_p",
                                                           "repetition_penalty", "seed")}
         chosen.update({k: v for k, v in (model_defaults or {}).items() if k not in self.model_fields_set})
