@@ -15,6 +15,10 @@ class InfemeralError(Exception):
     """Base class of every error this package raises on purpose."""
 
 
+class UsageError(InfemeralError):
+    """A flag, setting or argument the user has to change; the command line exits with status 2."""
+
+
 class StatusError(InfemeralError):
     """An error with the gRPC status code it maps to."""
 

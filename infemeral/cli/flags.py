@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import typing
 
+from pydantic import ValidationError
 from pydantic_settings import BaseSettings
+
+from infemeral.errors import UsageError
 
 
 def add_settings_flags(parser: argparse.ArgumentParser, settings_cls: type[BaseSettings],
@@ -32,4 +35,21 @@ def add_settings_flags(parser: argparse.ArgumentParser, settings_cls: type[BaseS
 def settings_from_args(settings_cls: type[BaseSettings], args: argparse.Namespace):
     """Flags override INFEMERAL_* variables, which override defaults."""
     given = {k: v for k, v in vars(args).items() if k in settings_cls.model_fields and v is not None}
-    return settings_cls(**given)
+    try:
+        return settings_cls(**given)
+    except ValidationError as e:
+        raise UsageError(describe_invalid(e, settings_cls, given)) from None
+
+
+def describe_invalid(error: ValidationError, settings_cls: type[BaseSettings], given: dict) -> str:
+    """pydantic's report as one line a person can act on: the flag (or the INFEMERAL_* variable, if the value
+    came from there), what it must be, and what it got."""
+    prefix = settings_cls.model_config.get("env_prefix", "")
+    problems = []
+    for e in error.errors():
+        name = str(e["loc"][0]) if e["loc"] else ""
+        where = ("--" + name.replace("_", "-") if name in given else (prefix + name).upper()) if name else ""
+        what = e["msg"].removeprefix("Value error, ").replace("Input should be", "must be")
+        got = f" (got {e['input']})" if name and not isinstance(e.get("input"), dict) else ""
+        problems.append(f"{where} {what}{got}".strip())
+    return "; ".join(problems)

@@ -44,7 +44,8 @@ class ClientSettings(BaseSettings):
     top_k: int = Field(0, ge=0, description="sample from the k most likely tokens (0: off)")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass (1: off)")
     repetition_penalty: float = Field(1.0, gt=0, description="penalty for tokens already in the context (1: off)")
-    seed: int | None = Field(None, description="random seed for reproducible sampling")
+    seed: int | None = Field(None, ge=-(1 << 63), le=(1 << 64) - 1,  # sampling.SEED_MIN/MAX
+                             description="random seed for reproducible sampling")
     stop: list[str] = Field(default_factory=list, description="stop strings; repeat the flag for several (env: a JSON list)")
     speculate: Literal["ngram", "draft", "off"] = Field(
         "ngram", description="speculative decoding: draft tokens from the conversation (ngram), also from a "

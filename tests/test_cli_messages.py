@@ -1,0 +1,42 @@
+"""What the command line says when something is wrong: one line, the flag or command that fixes it, and
+exit status 2 for a usage error. In-process and without a server, so it is cheap."""
+
+from __future__ import annotations
+
+import pytest
+
+from infemeral.cli.main import main
+
+
+def run(capsys, *argv) -> tuple[int, str]:
+    code = main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+@pytest.mark.parametrize("argv, says", [
+    (("--temperature", "-1"), "--temperature must be greater than or equal to 0 (got -1)"),
+    (("--seed", "99999999999999999999999"), "--seed must be less than or equal to 18446744073709551615"),
+    (("--top-p", "0"), "--top-p must be greater than 0 (got 0)"),
+    (("--timeout", "soon"), "--timeout must be a valid number"),
+])
+def test_a_bad_flag_is_one_line_naming_it(capsys, argv, says):
+    code, text = run(capsys, "generate", "hi", *argv)
+    assert code == 2
+    assert text.startswith(f"infemeral-client: {says}") and text.count("\n") == 1, text
+    assert "pydantic" not in text and "http" not in text
+
+
+def test_a_bad_environment_variable_is_named_as_such(capsys, monkeypatch):
+    monkeypatch.setenv("INFEMERAL_TOP_K", "-3")
+    code, text = run(capsys, "generate", "hi")
+    assert code == 2 and text == "infemeral-client: INFEMERAL_TOP_K must be greater than or equal to 0 (got -3)\n"
+
+
+def test_plaintext_off_loopback_is_refused_naming_the_flags(capsys, tmp_path):
+    from infemeral.server.main import main as server_main
+
+    code = server_main(["--bundle", str(tmp_path), "--listen", "0.0.0.0:0", "--store", str(tmp_path / "store")])
+    text = capsys.readouterr().err
+    assert code == 2 and "refusing plaintext gRPC on 0.0.0.0:0" in text
+    assert "--tls-cert" in text and "--allow-plaintext" in text and text.count("\n") == 1, text
