@@ -1,0 +1,58 @@
+"""What a draft-head training run does (`train_head.py`), and its command-line flags: no torch here, so the
+command line answers `--help` at once."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_CACHE = Path("~/.cache/infemeral/train-drafter")
+
+
+@dataclass
+class TrainSettings:
+    """What a training run does; the defaults train a head for the default model on a 2-core CPU in about
+    20 minutes (answers ~8, features ~1, training 10)."""
+
+    prompts: int = 320            # chat prompts the model answers (training data)
+    max_new_tokens: int = 128     # per answer
+    draft_vocab: int = 8192       # tokens of the draft vocabulary (0: the whole vocabulary)
+    minutes: float = 10.0         # training time
+    max_steps: int = 0            # stop after this many steps even within the time (0: no limit)
+    batch_tokens: int = 2048      # positions per optimiser step
+    lr: float = 2e-3
+    feature_weight: float = 1.0   # EAGLE's weights of the two losses
+    token_weight: float = 0.1
+    noise: float = 0.2            # uniform noise on input features, relative to their RMS
+    held_out: int = 16            # prompts kept out of training, for the acceptance measurement
+    eval_drafts: int = 5          # k of that measurement
+    generate_batch: int = 32
+    generate_dtype: str = "float32"  # the exact client's dtype: its features are what the head will read
+    device: str = "auto"
+    threads: int = 0              # CPU threads (0: the faster of one and all, measured on the model)
+    eval_positions: int = 64      # answer positions per held-out prompt that are measured
+    seed: int = 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = TrainSettings()
+    parser.add_argument("--model", default="default",
+                        help="the checkpoint `prepare` reads: 'default' (the packaged SmolLM2), a .gguf file or a "
+                             "model directory")
+    parser.add_argument("--output", "-o", type=Path, default=None,
+                        help="directory to write the head to (default: draft-head/ beside the default bundles)")
+    parser.add_argument("--prompts", type=int, default=d.prompts, help="chat prompts the model answers")
+    parser.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="tokens per answer")
+    parser.add_argument("--draft-vocab", type=int, default=d.draft_vocab,
+                        help="tokens of the reduced draft vocabulary (0: the whole vocabulary)")
+    parser.add_argument("--minutes", type=float, default=d.minutes, help="training time, after the data is made")
+    parser.add_argument("--max-steps", type=int, default=d.max_steps, help="stop after this many steps (0: none)")
+    parser.add_argument("--device", default=d.device, help="auto, cpu or cuda")
+    parser.add_argument("--threads", type=int, default=d.threads,
+                        help="CPU threads (0: the faster of one and all, measured on the model)")
+    parser.add_argument("--cache", default=str(DEFAULT_CACHE),
+                        help="where the model's answers and features are kept between runs ('none': nowhere)")
+    parser.add_argument("--seed", type=int, default=d.seed)
+
+
