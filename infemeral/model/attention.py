@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
+
+from infemeral.model.transformers_modeling import AttentionInterface
 
 NAME = "infemeral_cache"
 
