@@ -92,13 +92,14 @@ def test_info_reports_matching_bundle(cli_env):
     proc = run_cli("info", env=cli_env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert '"hidden_size": 576' in proc.stdout
-    assert "matches server bundle: yes" in proc.stdout
+    assert "matches server bundle: yes" in proc.stdout and "laptop half" not in proc.stdout  # no model loaded
+    proc = run_cli("info", "--laptop-half", env=cli_env)
     assert "laptop half: float32 on " in proc.stdout and "float32 weights" in proc.stdout  # the exact default
 
 
 def test_info_shows_the_laptop_half_as_configured(cli_env):
     env = dict(cli_env, INFEMERAL_CLIENT_QUANT="int8", INFEMERAL_CLIENT_DEVICE="cpu")
-    proc = run_cli("info", env=env)
+    proc = run_cli("info", "--laptop-half", env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "laptop half: bfloat16 on cpu, int8 weights" in proc.stdout
     bad = run_cli("info", "--client-dtype", "float64", env=cli_env)

@@ -1,19 +1,25 @@
-"""Commands load only what they need: `--help` answers without torch (the bench's `startup` section times them)."""
+"""Commands load only what they need: `--help`, `info` and `delete` answer without torch (the bench's `startup` section
+times them)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+
+from conftest import StoredSession
+from infemeral.client.sampling import SamplingParams
 
 HEAVY = ("torch", "transformers")
 
 
-def modules_loaded_by(*argv: str) -> set[str]:
-    """The heavy modules in sys.modules after `infemeral-client ARGV` ran in a fresh interpreter."""
-    code = ("import sys\nfrom infemeral.cli.main import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n"
-            "    pass\nprint('loaded:', *(m for m in %r if m in sys.modules))" % (HEAVY,))
-    proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
+def modules_loaded_by(*argv: str, env: dict | None = None) -> set[str]:
+    """The heavy modules in sys.modules after `infemeral-client ARGV` ran (and succeeded) in a fresh interpreter."""
+    code = ("import sys\nfrom infemeral.cli.main import main\ntry:\n    rc = main(sys.argv[1:])\n"
+            "except SystemExit as e:\n    rc = e.code\nprint('loaded:', *(m for m in %r if m in sys.modules))\n"
+            "sys.exit(rc)" % (HEAVY,))
+    proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
     last = proc.stdout.splitlines()[-1]
     assert last.startswith("loaded:"), proc.stdout[-300:]
     return set(last.split()[1:])
@@ -23,3 +29,16 @@ def test_help_loads_neither_torch_nor_transformers():
     assert modules_loaded_by("--help") == set()
     assert modules_loaded_by("generate", "--help") == set()
     assert modules_loaded_by("serve", "--help") == set()
+
+
+def test_info_and_delete_answer_without_the_model(server, bundles, client, tmp_path):
+    session = client.new_session()
+    session.chat("Hi", SamplingParams(max_new_tokens=3))
+    session.save(tmp_path / "sessions" / "short.session")
+    env = dict(os.environ, INFEMERAL_SERVER=f"127.0.0.1:{server.port}", INFEMERAL_CLIENT_BUNDLE=str(bundles.client_dir),
+               INFEMERAL_SESSIONS_DIR=str(tmp_path / "sessions"))
+    stored = StoredSession(server.settings.store, session.id)
+    assert stored.exists()
+    assert modules_loaded_by("info", env=env) == set()
+    assert modules_loaded_by("delete", "--session", "short", env=env) == set()
+    assert not stored.exists() and not (tmp_path / "sessions" / "short.session").exists()

@@ -133,14 +133,27 @@ def serve(args) -> int:
 def info(args) -> int:
     from google.protobuf import json_format
 
+    from infemeral.client.server_link import ServerLink
+
     settings = settings_from_args(ClientSettings, args)
-    with open_client(settings) as client:
-        info = client.server_info()
+    with ServerLink.from_settings(settings) as link:  # no torch, no model: the server's answer at once
+        info = link.server_info()
         print(json_format.MessageToJson(info, preserving_proto_field_name=True, always_print_fields_with_no_presence=True))
-        match = info.bundle_fingerprint == client.bundle.server_fingerprint
+        match = info.bundle_fingerprint == link.server_fingerprint
         print(f"client bundle matches server bundle: {'yes' if match else 'NO'}")
-        print(f"laptop half: {client.model.describe()}, {client.model.memory_bytes() / 2**20:.0f} MiB")
+    if args.laptop_half:
+        _describe_laptop_half(settings)
     return 0 if match else 1
+
+
+def _describe_laptop_half(settings: ClientSettings) -> None:
+    """Build the laptop's half as `generate` would (torch, the weights) and say how it computes."""
+    from infemeral.client.model.half import ClientModel
+    from infemeral.cloak.bundle import ClientBundle
+
+    model = ClientModel(ClientBundle.open(settings.client_bundle), dtype=settings.client_dtype,
+                        device=settings.client_device, quant=settings.client_quant)
+    print(f"laptop half: {model.describe()}, {model.memory_bytes() / 2**20:.0f} MiB")
 
 
 def audit(args) -> int:
@@ -169,16 +182,17 @@ def evaluate(args) -> int:
 
 
 def delete(args) -> int:
-    from infemeral.client.session import Session
+    from infemeral.client import session_file
+    from infemeral.client.server_link import ServerLink
 
     settings = settings_from_args(ClientSettings, args)
     path = session_path(settings, args.session)
     if not path.exists():
         raise InfemeralError(f"no saved session named {args.session!r} in {settings.sessions_dir}")
-    with open_client(settings) as client:
-        session = Session.load(client, path)
-        if session.version:
-            session.delete()
+    with ServerLink.from_settings(settings) as link:  # the session file's header and one call: no model
+        session_id, key, version = session_file.identity(path, link.server_fingerprint)
+        if version:
+            link.delete_session(session_id, key)
     path.unlink()
     print(f"deleted session {args.session!r}")
     return 0

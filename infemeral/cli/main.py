@@ -130,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("info", help="show what the server serves and how the laptop's half computes")
     add_settings_flags(i, ClientSettings, CONNECTION)
+    i.add_argument("--laptop-half", action="store_true",
+                   help="also load the laptop's half as configured below and show how it computes and its memory "
+                        "(loads torch and the weights: a few seconds)")
     _local_compute(i)
 
     f = sub.add_parser("forget-answers", help="clear the answer index (earlier answers kept for drafting)",

@@ -11,16 +11,17 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
-
-from infemeral.client.pending import PendingCommit
 from infemeral.errors import FailedPrecondition, InfemeralError
-from infemeral.kvcache.cache import KVCache
+
+if TYPE_CHECKING:  # torch loads with the tensors, not to read who a session is (`identity`: delete)
+    from infemeral.client.pending import PendingCommit
+    from infemeral.kvcache.cache import KVCache
 
 FORMAT = "infemeral-session"
 VERSION = 2  # 2: adds an unconfirmed turn (`pending`); version 1 files still load
@@ -40,6 +41,8 @@ class SavedSession:
 
 
 def save(path: str | Path, saved: SavedSession, server_fingerprint: str) -> Path:
+    from safetensors.torch import save_file
+
     path = Path(path).expanduser()
     path.parent.mkdir(parents=True, exist_ok=True)
     cache, pending = saved.cache, saved.pending_commit
@@ -65,13 +68,12 @@ def save(path: str | Path, saved: SavedSession, server_fingerprint: str) -> Path
 def load(path: str | Path, server_fingerprint: str, new_cache: Callable[[], KVCache]) -> SavedSession:
     """The session saved at `path`, its caches loaded into new ones from `new_cache`; refused if the file
     belongs to another bundle than the one with `server_fingerprint`."""
+    from safetensors.torch import load_file
+
+    from infemeral.client.pending import PendingCommit
+
     path = Path(path).expanduser()
-    with safe_open(str(path), framework="pt") as f:
-        meta = json.loads((f.metadata() or {}).get("session", "{}"))
-    if meta.get("format") != FORMAT or meta.get("format_version") not in (1, VERSION):
-        raise InfemeralError(f"{path} is not an infemeral session file this version can read")
-    if meta["server_fingerprint"] != server_fingerprint:
-        raise FailedPrecondition(f"{path} belongs to a different client bundle")
+    meta = _metadata(path, server_fingerprint)
     tensors = load_file(str(path))
     cache = new_cache()
     for slot in range(cache.num_layers):
@@ -80,3 +82,26 @@ def load(path: str | Path, server_fingerprint: str, new_cache: Callable[[], KVCa
     pending = PendingCommit.from_saved(meta["pending"], tensors, new_cache()) if meta.get("pending") else None
     return SavedSession(bytes.fromhex(meta["id"]), bytes.fromhex(meta["key"]), meta["version"], meta["history_ids"],
                         meta["messages"], cache, pending)
+
+
+def identity(path: str | Path, server_fingerprint: str) -> tuple[bytes, bytes, int]:
+    """(id, key, version) of the session saved at `path`, read from the file's header alone (no torch)."""
+    meta = _metadata(Path(path).expanduser(), server_fingerprint)
+    return bytes.fromhex(meta["id"]), bytes.fromhex(meta["key"]), meta["version"]
+
+
+def _metadata(path: Path, server_fingerprint: str) -> dict:
+    """The session's metadata from the safetensors header (an 8-byte little-endian length, then JSON); refused
+    if the file is no session file or belongs to another bundle than the one with `server_fingerprint`."""
+    try:
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+        meta = json.loads(header.get("__metadata__", {}).get("session", "{}"))
+    except (struct.error, ValueError, AttributeError):
+        meta = {}
+    if meta.get("format") != FORMAT or meta.get("format_version") not in (1, VERSION):
+        raise InfemeralError(f"{path} is not an infemeral session file this version can read")
+    if meta["server_fingerprint"] != server_fingerprint:
+        raise FailedPrecondition(f"{path} belongs to a different client bundle")
+    return meta

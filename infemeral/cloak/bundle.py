@@ -14,7 +14,6 @@ secret basis Q, and the fingerprint of the server bundle it matches.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,12 +22,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig
 
+from infemeral.cloak.manifest import (CLIENT_FORMAT, FORMAT_VERSION, QUANTIZED_FORMAT_VERSION,  # noqa: F401
+                                      SERVER_FORMAT, fingerprint, read_manifest)
 from infemeral.errors import FailedPrecondition
-
-SERVER_FORMAT = "infemeral-server-bundle"
-CLIENT_FORMAT = "infemeral-client-bundle"
-FORMAT_VERSION = 1
-QUANTIZED_FORMAT_VERSION = 2  # server bundles whose layers are quantised (manifest["server_quant"])
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -45,11 +41,6 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def fingerprint(manifest: dict) -> str:
-    body = {k: v for k, v in manifest.items() if k != "fingerprint"}
-    return "sha256:" + hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
-
-
 def layer_file(index: int) -> str:
     return f"layer-{index:05d}.safetensors"
 
@@ -59,20 +50,6 @@ def clean_config(config: PretrainedConfig) -> PretrainedConfig:
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     return config
-
-
-def read_manifest(directory: Path, expected_format: str, versions: tuple[int, ...] = (FORMAT_VERSION,)) -> dict:
-    path = directory / "manifest.json"
-    if not path.exists():
-        raise FailedPrecondition(f"{directory} is not an infemeral bundle (no manifest.json); run `infemeral-client prepare`")
-    manifest = json.loads(path.read_text())
-    if manifest.get("format") != expected_format:
-        raise FailedPrecondition(f"{directory} holds a {manifest.get('format')!r}, expected a {expected_format!r}")
-    if manifest.get("format_version") not in versions:
-        raise FailedPrecondition(
-            f"{directory} has bundle format version {manifest.get('format_version')}, this version of infemeral "
-            f"reads version {' or '.join(map(str, versions))}; prepare the bundles again")
-    return manifest
 
 
 @dataclass
