@@ -149,6 +149,7 @@ def test_ctrl_c_stops_the_answer_and_keeps_the_session(server, client, bundles, 
         chat.expect_exact("assistant> ")
         chat.expect_exact("you> ")
         chat.sendline("/exit")
+        chat.expect_exact("session 'repl' kept: resume it with `infemeral-client chat --session repl`")
         chat.expect(pexpect.EOF)
         assert term.wait() == 0, chat.before
     except pexpect.TIMEOUT as e:

@@ -50,7 +50,7 @@ def test_help_explains_commands():
 def test_generate_streams_the_greedy_answer(cli_env, client):
     question = "Name a primary colour."
     expected = client.new_session().chat(question, SamplingParams(max_new_tokens=20)).text
-    proc = run_cli("generate", question, "--max-new-tokens", 20, "--verbose", env=cli_env)
+    proc = run_cli("generate", question, "--max-new-tokens", 20, "--greedy", "--verbose", env=cli_env)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == expected.strip()
     assert "tokens/s" in proc.stderr and "first token" in proc.stderr and "tokens per round trip" in proc.stderr
@@ -60,8 +60,9 @@ def test_speculation_flags_and_the_answer_index(cli_env, tmp_path):
     passage = ("The lighthouse keeper climbed the spiral stairs every evening at six. He trimmed the wick, "
                "polished the great lens until it shone, and wrote the weather in a leather book.")
     question = f"Repeat the following passage exactly, word for word:\n\n{passage}"
-    off = run_cli("generate", question, "--max-new-tokens", 24, "--speculate", "off", "--verbose", env=cli_env)
-    on = run_cli("generate", question, "--max-new-tokens", 24, "--max-draft", 4, "--verbose", env=cli_env)
+    off = run_cli("generate", question, "--max-new-tokens", 24, "--speculate", "off", "--greedy", "--verbose",
+                  env=cli_env)
+    on = run_cli("generate", question, "--max-new-tokens", 24, "--max-draft", 4, "--greedy", "--verbose", env=cli_env)
     assert off.returncode == 0 and on.returncode == 0, off.stderr + on.stderr
     assert on.stdout == off.stdout  # the same answer, in fewer round trips
     per_trip = [float(re.search(r"([\d.]+) tokens per round trip", p.stderr).group(1)) for p in (off, on)]

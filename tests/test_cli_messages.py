@@ -40,3 +40,25 @@ def test_plaintext_off_loopback_is_refused_naming_the_flags(capsys, tmp_path):
     text = capsys.readouterr().err
     assert code == 2 and "refusing plaintext gRPC on 0.0.0.0:0" in text
     assert "--tls-cert" in text and "--allow-plaintext" in text and text.count("\n") == 1, text
+
+
+def test_an_empty_prompt_is_refused(capsys, monkeypatch):
+    import io
+
+    expected = "infemeral-client: the prompt is empty: give the question as an argument, or '-' to read it from stdin\n"
+    assert run(capsys, "generate", "") == (2, expected)
+    monkeypatch.setattr("sys.stdin", io.StringIO("  \n"))
+    assert run(capsys, "generate", "-") == (2, expected)
+
+
+def test_greedy_and_a_temperature_contradict(capsys):
+    assert run(capsys, "generate", "hi", "--greedy", "--temperature", "0.5") == (
+        2, "infemeral-client: --greedy is --temperature 0: give one of them\n")
+
+
+@pytest.mark.parametrize("command, says", [("info", "check that the client bundle belongs to it"),
+                                           ("delete", "its encrypted KV cache on the server")])
+def test_every_command_says_what_it_does_in_its_help(capsys, command, says):
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    assert says in " ".join(capsys.readouterr().out.split())

@@ -87,7 +87,7 @@ def test_generate_raw_on_the_command_line(base_model, capsys):
 
     model, tokenizer, bundles, server, _ = base_model
     args = ["generate", PROMPT, "--server", f"127.0.0.1:{server.port}", "--client-bundle", str(bundles.client_dir),
-            "--max-new-tokens", str(NEW_TOKENS), "--no-answer-index"]
+            "--max-new-tokens", str(NEW_TOKENS), "--no-answer-index", "--greedy"]
     assert cli.main(args) == 2
     assert "no chat template" in capsys.readouterr().err
     assert cli.main(args + ["--raw"]) == 0

@@ -258,7 +258,8 @@ def run_chat(monkeypatch, capsys, server, bundles, sessions_dir, lines: list[str
 
     monkeypatch.setattr(commands, "open_client", client_with_faults)
     monkeypatch.setattr(sys, "stdin", io.StringIO("".join(line + "\n" for line in lines)))
-    code = cli.main(["chat", "--session", "trip", "--max-new-tokens", "6", "--server", f"127.0.0.1:{server.port}",
+    code = cli.main(["chat", "--session", "trip", "--max-new-tokens", "6", "--greedy",
+                     "--server", f"127.0.0.1:{server.port}",
                      "--client-bundle", str(bundles.client_dir), "--sessions-dir", str(sessions_dir)])
     out = capsys.readouterr()
     return code, out.out, out.err

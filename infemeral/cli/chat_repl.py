@@ -16,13 +16,15 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from infemeral.cli import server_errors
 from infemeral.errors import InfemeralError
 
 HELP = """\
 Type a message and press Enter.
   /help        this help
   /reset       start a new conversation (the old one is deleted on the server)
-  /exit        quit (also /quit or Ctrl-D)
+  /exit        quit (also /quit or Ctrl-D); a chat without --session NAME is
+               then deleted on the server, one with it is kept to resume
 Multi-line messages: end a line with \\ to go on in the next one, or start the
 message with \"\"\" and end it with \"\"\" (on the same or a later line).
 Ctrl-C while an answer is written stops it: that exchange is dropped and the
@@ -137,17 +139,21 @@ class LineReader:
 
 
 class ChatRepl:
-    """One chat session at the terminal. `report(result, verbose)` prints a turn's figures."""
+    """One chat session at the terminal. `report(result, verbose)` prints a turn's figures.
+
+    A named session (`session_path`) is saved after every turn and kept on the server when the chat ends; an
+    unnamed one is deleted there when the chat ends, as `generate` deletes its own."""
 
     def __init__(self, client, settings, *, session_name: str | None = None, session_path: Path | None = None,
                  system: str | None = None, verbose: bool = False,
-                 report: Callable[[object, bool], None] = lambda result, verbose: None, stream=None):
+                 report: Callable[[object, bool], None] = lambda result, verbose: None, stream=None,
+                 params=None):
         from infemeral.client.sampling import generation_defaults
 
         self.client, self.settings = client, settings
         self.session_name, self.path, self.system = session_name, session_path, system
         self.verbose, self.report = verbose, report
-        self.params = settings.sampling(generation_defaults(client.bundle.generation_config()))
+        self.params = params or settings.sampling(generation_defaults(client.bundle.generation_config()))
         self.reader = LineReader(stream, settings.chat_history)
         self.session = self._open_session()
 
@@ -173,6 +179,28 @@ class ChatRepl:
                 self.answer(message.strip())
         finally:
             self.reader.save_history()
+            self.leave()
+
+    def leave(self) -> None:
+        """Say what becomes of the conversation as the chat ends: a named one is kept (how to resume or delete
+        it), an unnamed one is deleted on the server."""
+        name = self.session_name
+        if self.path is not None:
+            if self.session.version:
+                self._say(f"session {name!r} kept: resume it with `infemeral-client chat --session {name}`, "
+                          f"delete it with `infemeral-client delete --session {name}`")
+            return
+        if not self.session.version:
+            return
+        try:
+            self.session.delete()
+        except InfemeralError as e:
+            why = server_errors.describe(e, self.client.address)
+            self._say(f"could not delete this conversation on the server: {why}. The server deletes it by itself "
+                      "once it has been idle for its session TTL (7 days by default).")
+            return
+        if self.reader.is_interactive:
+            self._say("conversation deleted on the server (start with --session NAME to keep one)")
 
     def command(self, line: str) -> bool:
         """Run a slash command; False means quit."""
@@ -203,9 +231,11 @@ class ChatRepl:
             with StopOnInterrupt() as stop:
                 try:
                     for delta in deltas:
+                        if stop.is_set:  # a ^C while this token was computed: it is not shown
+                            break
                         sys.stdout.write(delta)
                         sys.stdout.flush()
-                        if stop.is_set:
+                        if stop.is_set:  # or while it was written: no next token is computed
                             break
                     else:
                         is_complete = True  # the generator ran to its end: the turn committed
@@ -215,8 +245,15 @@ class ChatRepl:
             print(file=sys.stdout, flush=True)
             unsure = (" (its commit is unconfirmed; the next turn asks the server)" if self.session.pending_commit
                       else "")
-            self._say(f"infemeral-client: this turn failed: {e}\nThe conversation is unchanged{unsure}; send your "
-                      "message again or another one.")
+            if server_errors.is_unreachable(e):
+                later = (f", or /exit and resume later with `infemeral-client chat --session {self.session_name}`"
+                         if self.path is not None else "")
+                self._say(f"infemeral-client: this turn failed: {server_errors.describe(e, self.client.address)}.\n"
+                          f"The conversation is intact{unsure}: send your message again once the server is "
+                          f"back{later}.")
+            else:
+                self._say(f"infemeral-client: this turn failed: {e}\nThe conversation is unchanged{unsure}; send "
+                          "your message again or another one.")
             self._save()  # it may have left a commit to settle
             return False
         print(file=sys.stdout, flush=True)

@@ -7,6 +7,7 @@ Heavy imports (torch, transformers, the model) happen inside the commands, so
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ from pathlib import Path
 from infemeral.cli.flags import settings_from_args
 from infemeral.client.settings import ClientSettings
 from infemeral.endpoint.settings import ServeSettings
-from infemeral.errors import InfemeralError
+from infemeral.errors import InfemeralError, UsageError
 
 
 def session_path(settings: ClientSettings, name: str) -> Path:
@@ -74,28 +75,59 @@ def _report(result, verbose: bool) -> None:
               f"finish={result.finish_reason}, first token {result.time_to_first_token:.2f}s, "
               f"{result.tokens_per_second:.1f} tokens/s, {result.tokens_per_round_trip:.2f} tokens per round trip"
               f"{drafts}, session version {result.version}]", file=sys.stderr)
-        if result.evicted_tokens:
-            print(f"[context window full: the oldest {result.evicted_tokens} tokens were dropped "
-                  f"({result.cache_length} kept)]", file=sys.stderr)
+    if result.evicted_tokens:  # always: the model no longer sees the start of the conversation
+        print(f"[context window full: the oldest {result.evicted_tokens} tokens were dropped "
+              f"({result.cache_length} kept)]", file=sys.stderr)
 
 
-def _sampling(settings: ClientSettings, client):
-    """Flags and INFEMERAL_* variables first, then the model's generation config, then the settings' defaults."""
-    from infemeral.client.sampling import generation_defaults
+def _sampling(settings: ClientSettings, client, *, is_answer: bool = False):
+    """Flags and INFEMERAL_* variables first, then the model's generation config, then (`is_answer`: chat and
+    generate) sampling.CHAT_SAMPLING unless greedy decoding was asked for, then the settings' defaults."""
+    from infemeral.client.sampling import chat_defaults, generation_defaults
 
-    return settings.sampling(generation_defaults(client.bundle.generation_config()))
+    config = client.bundle.generation_config()
+    if not is_answer:
+        return settings.sampling(generation_defaults(config))
+    is_greedy = "temperature" in settings.model_fields_set and settings.temperature == 0
+    return settings.sampling(chat_defaults(config, is_greedy=is_greedy))
+
+
+def _answer_settings(args) -> ClientSettings:
+    """The settings of `chat` and `generate`: --greedy is --temperature 0."""
+    if args.greedy:
+        if args.temperature is not None:
+            raise UsageError("--greedy is --temperature 0: give one of them")
+        args.temperature = "0"
+    return settings_from_args(ClientSettings, args)
+
+
+def _check_prompt_fits(client, prompt_ids: list[int], truncate: bool) -> None:
+    """Refuse a prompt the server cannot hold whole, as the OpenAI endpoint does: with its window on the server
+    would drop the prompt's start, and the model would answer what is left of it as if that were the question."""
+    info = client.server_info()
+    if len(prompt_ids) < info.max_context or (truncate and info.window):
+        return
+    limit = f"the prompt is {len(prompt_ids)} tokens, and the server at {client.address} holds at most " \
+            f"{info.max_context} (its --max-context)"
+    if not info.window:
+        raise UsageError(f"{limit}: shorten the prompt")
+    raise UsageError(f"{limit}: shorten the prompt, or pass --truncate to let the server's window drop its start")
 
 
 def generate(args) -> int:
-    settings = settings_from_args(ClientSettings, args)
+    settings = _answer_settings(args)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if args.raw and args.system:
         raise InfemeralError("--system needs the chat template; with --raw put everything in the prompt")
+    if not prompt.strip():
+        raise UsageError("the prompt is empty: give the question as an argument, or '-' to read it from stdin")
     with open_client(settings) as client:
         session = client.new_session(system_prompt=args.system)
         try:
-            deltas = (session.stream_raw(prompt, _sampling(settings, client)) if args.raw
-                      else session.stream(prompt, _sampling(settings, client)))
+            _check_prompt_fits(client, client.text_ids(prompt) if args.raw else client.chat_ids(
+                session.messages + [{"role": "user", "content": prompt}]), args.truncate)
+            params = _sampling(settings, client, is_answer=True)
+            deltas = session.stream_raw(prompt, params) if args.raw else session.stream(prompt, params)
             for delta in deltas:
                 sys.stdout.write(delta)
                 sys.stdout.flush()
@@ -110,12 +142,13 @@ def generate(args) -> int:
 def chat(args) -> int:
     from infemeral.cli.chat_repl import ChatRepl, say_loading
 
-    settings = settings_from_args(ClientSettings, args)
+    settings = _answer_settings(args)
     path = session_path(settings, args.session) if args.session else None
     say_loading(settings.client_bundle)  # before the heavy imports: the first sign of life comes at once
     with open_client(settings) as client:
+        params = _sampling(settings, client, is_answer=True)
         return ChatRepl(client, settings, session_name=args.session, session_path=path, system=args.system,
-                        verbose=args.verbose, report=_report).run()
+                        verbose=args.verbose, report=_report, params=params).run()
 
 
 def serve(args) -> int:
@@ -138,7 +171,12 @@ def info(args) -> int:
     settings = settings_from_args(ClientSettings, args)
     with ServerLink.from_settings(settings) as link:  # no torch, no model: the server's answer at once
         info = link.server_info()
-        print(json_format.MessageToJson(info, preserving_proto_field_name=True, always_print_fields_with_no_presence=True))
+        fields = json_format.MessageToDict(info, preserving_proto_field_name=True,
+                                           always_print_fields_with_no_presence=True)
+        for field in info.DESCRIPTOR.fields:  # proto3 JSON writes 64-bit integers as strings; these are counts
+            if field.cpp_type in (field.CPPTYPE_INT64, field.CPPTYPE_UINT64):
+                fields[field.name] = int(fields[field.name])
+        print(json.dumps(fields, indent=2))
         match = info.bundle_fingerprint == link.server_fingerprint
         print(f"client bundle matches server bundle: {'yes' if match else 'NO'}")
     if args.laptop_half:

@@ -12,14 +12,16 @@ from infemeral.errors import UsageError
 
 
 def add_settings_flags(parser: argparse.ArgumentParser, settings_cls: type[BaseSettings],
-                       only: tuple[str, ...] | None = None) -> None:
+                       only: tuple[str, ...] | None = None, shown_defaults: dict[str, str] | None = None) -> None:
+    """A flag for every field (or those in `only`); `shown_defaults` says in the help where a command's default
+    is not the field's."""
     prefix = settings_cls.model_config.get("env_prefix", "")
     for name, field in settings_cls.model_fields.items():
         if only is not None and name not in only:
             continue
         flag = "--" + name.replace("_", "-")
         env = (prefix + name).upper()
-        default = field.get_default(call_default_factory=True)
+        default = (shown_defaults or {}).get(name, field.get_default(call_default_factory=True))
         help_text = f"{field.description} (env {env}; default: {default})"
         if name == "stop":
             parser.add_argument(flag, dest=name, default=None, action="append", help=help_text)

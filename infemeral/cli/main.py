@@ -11,7 +11,7 @@ import logging
 import sys
 from pathlib import Path
 
-from infemeral.cli import commands
+from infemeral.cli import commands, server_errors
 from infemeral.cli.flags import add_settings_flags
 from infemeral.client.settings import ClientSettings
 from infemeral.endpoint.settings import ServeSettings
@@ -22,6 +22,13 @@ CONNECTION = ("server", "client_bundle", "timeout", "tls_ca", "tls_client_cert",
 LOCAL_COMPUTE = ("client_dtype", "client_device", "client_quant")
 SAMPLING = ("max_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "seed", "stop")
 SPECULATION = ("speculate", "max_draft", "draft_model", "answer_index", "answer_index_dir", "answer_index_tokens")
+
+# chat and generate sample where the model's generation config does not (see sampling.CHAT_SAMPLING)
+ANSWER_SAMPLING = ("Without --temperature, answers are sampled as the model's generation config says, or where it "
+                   "does not sample at temperature 0.7, top-p 0.9 and repetition penalty 1.1. --greedy (or "
+                   "--temperature 0) decodes greedily, token for token what transformers would answer.")
+ANSWER_DEFAULTS = {"temperature": "the model's, else 0.7", "top_p": "the model's, else 0.9",
+                   "repetition_penalty": "the model's, else 1.1 (1 with --greedy)"}
 
 EPILOG = """\
 first steps:
@@ -47,8 +54,10 @@ def _local_compute(parser: argparse.ArgumentParser) -> None:
 def _connection_and_sampling(parser: argparse.ArgumentParser) -> None:
     add_settings_flags(parser, ClientSettings, CONNECTION)
     _local_compute(parser)
-    group = parser.add_argument_group("sampling")
-    add_settings_flags(group, ClientSettings, SAMPLING)
+    group = parser.add_argument_group("sampling", ANSWER_SAMPLING)
+    add_settings_flags(group, ClientSettings, SAMPLING, shown_defaults=ANSWER_DEFAULTS)
+    group.add_argument("--greedy", action="store_true",
+                       help="greedy decoding: always the most likely token (the same as --temperature 0)")
     group = parser.add_argument_group("speculative decoding (several tokens per round trip; same output)")
     add_settings_flags(group, ClientSettings, SPECULATION)
     parser.add_argument("-v", "--verbose", action="store_true",
@@ -96,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--raw", action="store_true",
                    help="continue the prompt as raw text, without the chat template (base models, "
                         "template-free prompts)")
+    g.add_argument("--truncate", action="store_true",
+                   help="answer a prompt longer than the server's context by letting its window drop the start "
+                        "(default: refuse it)")
     _connection_and_sampling(g)
 
     c = sub.add_parser("chat", help="interactive chat; resumable with --session",
@@ -128,7 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
     group = s.add_argument_group("speculative decoding (several tokens per round trip; same output)")
     add_settings_flags(group, ClientSettings, SPECULATION)
 
-    i = sub.add_parser("info", help="show what the server serves and how the laptop's half computes")
+    i = sub.add_parser("info", help="show what the server serves and how the laptop's half computes",
+                       description="Ask the server what it serves (model shape, dtype, device, context and step "
+                                   "limits, window) and check that the client bundle belongs to it (exit status 1 "
+                                   "if it does not); --laptop-half also shows how this machine's half computes.")
     add_settings_flags(i, ClientSettings, CONNECTION)
     i.add_argument("--laptop-half", action="store_true",
                    help="also load the laptop's half as configured below and show how it computes and its memory "
@@ -179,7 +194,10 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="activations of the served layers (default: float32)")
 
-    d = sub.add_parser("delete", help="delete a saved session here and on the server")
+    d = sub.add_parser("delete", help="delete a saved session here and on the server",
+                       description="Delete a session saved by `chat --session NAME`: its file on this machine and "
+                                   "its encrypted KV cache on the server (a chat without --session deletes its own "
+                                   "when it ends).")
     d.add_argument("--session", required=True, help="name of the saved session")
     add_settings_flags(d, ClientSettings, CONNECTION + ("sessions_dir",))
     return parser
@@ -190,16 +208,24 @@ COMMANDS = {"prepare": commands.prepare, "generate": commands.generate, "chat": 
             "serve": commands.serve, "eval": commands.evaluate}
 
 
+def _server_address(args: argparse.Namespace) -> str:
+    return getattr(args, "server", None) or ClientSettings().server
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return COMMANDS[args.command](args)
     except InfemeralError as e:
+        if server_errors.is_unreachable(e):  # not a usage error: the same command works once a server is there
+            print(f"infemeral-client: {server_errors.describe(e, _server_address(args))}", file=sys.stderr)
+            return 1
         print(f"infemeral-client: {e}", file=sys.stderr)
         return 2
     except (OSError, ValueError) as e:
         print(f"infemeral-client: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        print(file=sys.stderr)  # the shell's prompt on a line of its own, not after the answer's last word
         return 130

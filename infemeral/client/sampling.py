@@ -103,3 +103,21 @@ def generation_defaults(generation_config) -> dict:
     if penalty is not None:
         defaults["repetition_penalty"] = penalty
     return defaults
+
+
+# How `chat` and `generate` sample where the model's generation config does not: SmolLM2's, for one, sets no sampling
+# at all, and greedy decoding of a small model falls into loops ("A gentle rain, a gentle rain, ..."). Close to what
+# local chat programs use (ollama: temperature 0.8, top-p 0.9, repeat penalty 1.1), a little cooler for fewer made-up
+# facts; a penalty of 1.1 only scales down tokens already in the context, enough to break a loop without steering the
+# answer away from words it needs. The SDK's own default stays greedy.
+CHAT_SAMPLING = {"temperature": 0.7, "top_p": 0.9, "repetition_penalty": 1.1}
+
+
+def chat_defaults(generation_config, *, is_greedy: bool = False) -> dict:
+    """Sampling defaults for an answer at the command line: the model's generation config where it samples, else
+    CHAT_SAMPLING under what the config does set. `is_greedy` (temperature 0 asked for) keeps to the config alone,
+    so greedy decoding stays what `transformers` does with it: the exactness reference."""
+    model = generation_defaults(generation_config)
+    if is_greedy or getattr(generation_config, "do_sample", None):
+        return model
+    return {**CHAT_SAMPLING, **model}

@@ -52,7 +52,8 @@ class WindowPolicy:
             return 0
         if not self.enabled:
             raise OutOfRange(f"this step would grow the session to {length + incoming} tokens, over the "
-                             f"server's max_context of {self.max_context}; start a new session")
+                             f"server's max_context of {self.max_context} (its window is off): send a shorter "
+                             "message, or start a new conversation if this one has grown long")
         if incoming > self.max_step:
             raise OutOfRange(f"a step of {incoming} tokens cannot fit a window of {self.max_context} tokens "
                              f"with {self.sink_tokens} sinks; send at most {self.max_step} per step")
