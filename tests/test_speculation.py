@@ -292,6 +292,50 @@ def test_speculative_sampling_keeps_the_target_distribution(tiny, joint, rule):
     assert p > 1e-3, f"speculative samples do not follow the target distribution (p = {p:.2e})"
 
 
+def head_samples(tiny, runs: int = RUNS) -> tuple[list[tuple[int, ...]], int]:
+    """As `speculative_samples`, drafting two tokens every step from a draft head (`HeadDrafter`) that reads the
+    features of the verified positions, as a session does. Its draft vocabulary is the model's likely tokens
+    after the prompt, so that its drafts are accepted often enough to matter."""
+    from infemeral.speculation.draft_head import DraftHead, HeadModel, layer_config
+
+    model, client, server = tiny
+    likely = top3(model, [])
+    ids = sorted(set(likely + [t for x in likely for t in top3(model, [x])]))
+    torch.manual_seed(1)
+    head = DraftHead(HeadModel(layer_config(model.config)), client, draft_ids=torch.tensor(ids))
+    ccache, scache = client.new_cache(), server.new_cache()
+    prompt_features = client.features(server(client.cloak(PROMPT[:-1], ccache), scache))
+    base = ccache.length
+    samples, accepted = [], 0
+    for run in range(runs):
+        sampler = Sampler(SamplingParams(seed=run, **PARAMS))
+        drafter = head.fork()
+        drafter.observe(PROMPT[:-1], prompt_features)
+        context, last, tokens = list(PROMPT[:-1]), PROMPT[-1], []
+        while len(tokens) < 3:
+            step = context + [last]
+            drafts = drafter.propose(step, 2)
+            features = client.features(server(client.cloak([last] + drafts, ccache), scache))
+            new = accept_drafts(sampler, client.project(features), step, drafts)
+            accepted += len(new) - 1
+            for cache in (ccache, scache):
+                cache.truncate(len(drafts) - (len(new) - 1))
+            drafter.observe(step + new[:-1], features[:len(new)])
+            context, last, tokens = step + new[:-1], new[-1], tokens + new
+        samples.append(tuple(tokens[:3]))
+        for cache in (ccache, scache):
+            cache.truncate(cache.length - base)
+    return samples, accepted
+
+
+def test_drafts_from_a_draft_head_keep_the_target_distribution(tiny, joint):
+    samples, accepted = head_samples(tiny)
+    assert len(set(samples)) > 10
+    assert accepted > 0.1 * RUNS  # the head's drafts were right often enough to matter
+    p = first_positions_p(samples, joint)
+    assert p > 1e-3, f"samples with a draft head do not follow the target distribution (p = {p:.2e})"
+
+
 @pytest.mark.parametrize("rule", [always_accept, point_mass_rule(remove_rejected=False), stale_context],
                          ids=["always-accept", "no-removal", "stale-context"])
 def test_the_statistical_test_catches_wrong_rules(tiny, joint, rule):

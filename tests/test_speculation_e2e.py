@@ -256,6 +256,39 @@ def test_the_answer_index_drafts_from_an_earlier_session(reference, server, bund
     assert second.accepted_drafts > first.accepted_drafts and second.round_trips < first.round_trips
 
 
+@pytest.fixture(scope="module")
+def random_head(reference, tmp_path_factory):
+    """A draft head for the default model with random weights, in the layout train-drafter writes: it drafts
+    (badly), and the output must not depend on how well."""
+    from infemeral.speculation.draft_head import HeadModel, layer_config, probe_of, save_head
+
+    model, _ = reference
+    torch.manual_seed(0)
+    module = HeadModel(layer_config(model.config))
+    ids, rows = probe_of(lambda i: model.model.embed_tokens.weight[i].detach(), model.config.vocab_size)
+    return save_head(tmp_path_factory.mktemp("head"), module, draft_ids=torch.arange(0, 4096),
+                     vocab_size=model.config.vocab_size, probe_ids=ids, probe_rows=rows)
+
+
+def test_a_draft_head_keeps_the_output(reference, server, bundles, random_head):
+    """Greedy output with a draft head (alone, and chosen automatically beside prompt lookup) is speculation
+    off's, over two turns of one session (the head's state carries over) and with sampling seeded."""
+    questions = ["Why do cats purr?", "And dogs?"]
+    with Client(f"127.0.0.1:{server.port}", bundles.client_dir, timeout=300, draft_head=random_head) as client:
+        results = {}
+        for speculate in ("off", "head", "auto"):
+            session = client.new_session()
+            results[speculate] = [session.chat(q, greedy(speculate=speculate)) for q in questions]
+        sampled = [client.new_session().chat(questions[0], greedy(dict(temperature=0.8, seed=7), speculate=s))
+                   for s in ("off", "head")]
+    expected = plain_greedy(reference, [{"role": "user", "content": questions[0]}])
+    for speculate, (first, second) in results.items():
+        assert first.token_ids == expected, speculate
+        assert second.token_ids == results["off"][1].token_ids, speculate
+    assert all(r.drafted_tokens > 0 for r in results["head"])
+    assert sampled[0].token_ids == sampled[1].token_ids and sampled[1].drafted_tokens > 0
+
+
 def test_seeded_sampling_reproduces_with_speculation(client):
     params = dict(temperature=0.7, top_p=0.95, seed=1234)
     question = copy(PASSAGES[3])

@@ -44,8 +44,11 @@ class Client:
     `AnswerIndex`) also drafts from this client's earlier answers, kept in an owner-only file there
     (None, the default, keeps no answers; `client.answer_index.clear()` forgets them);
     `draft_model` (a local model directory or .gguf file with this model's tokenizer, or a ready
-    `DraftSource`) enables `SamplingParams(speculate="draft")`. Each session drafts with its own
-    state of the draft model (its `fork()`), over weights all sessions share.
+    `DraftSource`) enables `SamplingParams(speculate="draft")`; `draft_head` (a directory in the EAGLE
+    layout, e.g. from `infemeral-client train-drafter`, or a ready `DraftHead`) enables
+    `speculate="head"`. Each session drafts with its own state of the draft model and head (their
+    `fork()`), over weights all sessions share. The default, `speculate="auto"`, drafts from whichever
+    of these sources measures fastest on this link, step by step.
 
     Opening a turn while the server is at a limit (RESOURCE_EXHAUSTED with a `retry-after-ms` hint) is
     retried as the server says, within `timeout`; a turn that has started is never retried.
@@ -59,8 +62,8 @@ class Client:
                  tls_ca: str | Path | None = None, tls_client_cert: str | Path | None = None,
                  tls_client_key: str | Path | None = None, tls_server_name: str | None = None,
                  api_key: str | None = None, answer_index: str | Path | AnswerIndex | None = None,
-                 draft_model: str | Path | DraftSource | None = None, client_dtype: str | None = None,
-                 client_device: str | None = None, client_quant: str | None = None):
+                 draft_model: str | Path | DraftSource | None = None, draft_head=None,
+                 client_dtype: str | None = None, client_device: str | None = None, client_quant: str | None = None):
         given = dict(client_bundle=client_bundle, client_dtype=client_dtype, client_device=client_device,
                      client_quant=client_quant)
         settings = ClientSettings(**{k: v for k, v in given.items() if v is not None})
@@ -93,6 +96,11 @@ class Client:
 
             draft_model = DraftModel.load(draft_model, self.tokenizer)
         self.draft_model: DraftSource | None = draft_model
+        if draft_head is not None and not hasattr(draft_head, "fork"):
+            from infemeral.speculation.draft_head import DraftHead
+
+            draft_head = DraftHead.load(draft_head, self.model)
+        self.draft_head = draft_head  # a DraftHead: each session drafts through its own fork
         self.step_cost = StepCost()  # what an extra drafted position costs on this link, learnt across sessions
 
     # -- server -------------------------------------------------------------------------------

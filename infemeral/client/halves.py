@@ -33,6 +33,7 @@ class Halves:
         self.max_step_tokens, self.max_context = info.max_step_tokens, info.max_context
         self.window = WindowPolicy(info.max_context, info.sink_tokens, info.page_size or 1, enabled=info.window)
         self.committed: KVCache | None = None  # the committed cache, copied before it is first rewritten
+        self.features: torch.Tensor | None = None  # the last step's outputs as the LM head reads them [n, d]
         self.num_evicted = 0                   # tokens the window dropped during this turn
         self._pending_drop = 0                 # positions dropped here whose Truncate goes out with the next message
 
@@ -58,8 +59,9 @@ class Halves:
         return min(room, self.max_context - length - 1)
 
     # -- steps -------------------------------------------------------------------------------------
-    def step(self, ids: list[int], num_outputs: int = 1) -> torch.Tensor:
-        """Run `ids` through both halves; the logits [num_outputs, vocab] of the last positions."""
+    def step(self, ids: list[int], num_outputs: int = 1, num_logits: int | None = None) -> torch.Tensor:
+        """Run `ids` through both halves; the logits [num_logits, vocab] of the last positions (of all
+        `num_outputs` outputs unless fewer are asked for). `features` keeps every output's feature."""
         cache, model, window = self.cache, self.model, self.window
         drop = self._flush_drop()
         before = cache.length
@@ -81,7 +83,8 @@ class Halves:
         if residual.shape[0] != num_outputs:
             raise Aborted(f"server returned {residual.shape[0]} outputs for a step that asked for {num_outputs}")
         self.ids += ids
-        return model.logits(residual)
+        self.features = model.features(residual)
+        return model.project(self.features if num_logits is None else self.features[-num_logits:])
 
     def truncate(self, tokens: int) -> None:
         """Drop the caches' last `tokens` positions on both sides now, waiting for the server (a rewind)."""

@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-SPECULATE = ("ngram", "draft", "off")
+from infemeral.speculation.source import SPECULATE
+
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed accepts
 
 
@@ -21,7 +22,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
-    speculate: str = "ngram"  # where drafts come from: "ngram", "draft" (a local draft model) or "off"
+    # where drafts come from: "auto" (whichever available source is fastest, step by step), "ngram" (the
+    # conversation and earlier answers), "draft" (also a local draft model), "head" (a draft head) or "off"
+    speculate: str = "auto"
     max_draft: int = 8        # most drafted tokens per step (the adaptive length stays below it)
 
     def __post_init__(self):

@@ -36,7 +36,7 @@ from infemeral.kvcache.cache import KVCache
 from infemeral.kvcache.prefix import common_prefix
 from infemeral.protocol import pb
 from infemeral.speculation.draft_length import DraftLength
-from infemeral.speculation.source import DraftSource, per_session, session_source
+from infemeral.speculation.source import DraftSource, per_session, session_sources
 
 
 class Session:
@@ -52,13 +52,14 @@ class Session:
         self.messages: list[dict] = [{"role": "system", "content": system_prompt}] if system_prompt else []
         self.cache = client.model.new_cache()
         self._busy = threading.Lock()
-        self._draft_model: DraftSource | None = None  # this session's own fork of the client's draft model
-        self._draft_model_of: DraftSource | None = None  # ... and the one it was forked from
+        self._forks: dict[str, tuple[object, DraftSource]] = {}  # this session's own forks of the client's draft
+        # model and draft head, by kind: (what it was forked from, the fork)
         self.last_result: TurnResult | None = None
         # A turn whose commit was sent but never answered (connection lost), until the server says whether
         # it landed; the next turn settles it first.
         self.pending_commit: PendingCommit | None = None
-        self.draft_length = DraftLength(cost=client.step_cost)  # how many drafts a step carries, learnt as it goes
+        # how many drafts a step carries, per draft source, learnt as it goes; the link's cost is the client's
+        self.draft_lengths: dict[str, DraftLength] = {}
 
     def __repr__(self) -> str:  # never print the key
         return f"Session(id={self.id.hex()[:8]}…, version={self.version}, tokens={len(self.history_ids)})"
@@ -123,15 +124,21 @@ class Session:
         """A transcript as token ids, by the model's chat template."""
         return self.client.chat_ids(messages)
 
-    def draft_source(self, speculate: str) -> DraftSource | None:
-        """Where this session's drafts come from: the conversation first, then the client's earlier answers,
-        then the draft model (through this session's own fork of it)."""
-        client, draft_model = self.client, None
-        if speculate == "draft" and client.draft_model is not None:
-            if self._draft_model_of is not client.draft_model:
-                self._draft_model, self._draft_model_of = per_session(client.draft_model), client.draft_model
-            draft_model = self._draft_model
-        return session_source(speculate, client.answer_index, draft_model)
+    def draft_sources(self, speculate: str) -> list[DraftSource]:
+        """Where this session's drafts come from (`session_sources`), the draft model and draft head through this
+        session's own forks of them."""
+        client = self.client
+        wanted = {"draft": speculate in ("draft", "auto"), "head": speculate in ("head", "auto")}
+        forks = {kind: self._fork(kind, shared) if wanted[kind] and shared is not None else None
+                 for kind, shared in (("draft", client.draft_model), ("head", client.draft_head))}
+        return session_sources(speculate, client.answer_index, forks["draft"], forks["head"])
+
+    def _fork(self, kind: str, shared) -> DraftSource:
+        of, fork = self._forks.get(kind, (None, None))
+        if of is not shared:
+            fork = per_session(shared)
+            self._forks[kind] = (shared, fork)
+        return fork
 
     def settle_pending(self) -> None:
         """Ask the server whether the turn whose commit reply was lost did commit; adopt it if so."""

@@ -47,13 +47,19 @@ class ClientSettings(BaseSettings):
     seed: int | None = Field(None, ge=-(1 << 63), le=(1 << 64) - 1,  # sampling.SEED_MIN/MAX
                              description="random seed for reproducible sampling")
     stop: list[str] = Field(default_factory=list, description="stop strings; repeat the flag for several (env: a JSON list)")
-    speculate: Literal["ngram", "draft", "off"] = Field(
-        "ngram", description="speculative decoding: draft tokens from the conversation (ngram), also from a "
-                             "local draft model (draft, needs --draft-model), or off; the output is the same")
+    speculate: Literal["auto", "ngram", "draft", "head", "off"] = Field(
+        "auto", description="speculative decoding: where draft tokens come from. auto: whichever available source "
+                            "measures fastest on this link, step by step (the conversation and earlier answers, "
+                            "a draft head, a draft model); ngram: the conversation and earlier answers; draft: also "
+                            "a local draft model (--draft-model); head: a draft head (--draft-head); off. The "
+                            "output is the same")
     max_draft: int = Field(8, ge=0, description="most drafted tokens verified per round trip (the count adapts "
                                                 "below it)")
     draft_model: Path | None = Field(None, description="local model directory or .gguf file that drafts for "
                                                        "--speculate draft; must use the served model's tokenizer")
+    draft_head: Path | None = Field(None, description="draft head directory (EAGLE layout; `infemeral-client "
+                                                      "train-drafter` writes one) for --speculate head or auto; "
+                                                      "auto also uses draft-head/ beside the client bundle if there")
     answer_index: bool = Field(True, description="remember this client's answers (token ids, in an owner-only "
                                                  "file under --answer-index-dir) to draft from them later")
     answer_index_dir: Path = Field(DATA_HOME / "answers", description="where the answer index is kept")

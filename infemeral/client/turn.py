@@ -78,8 +78,8 @@ class TurnLoop:
                 if not self.is_whole_transcript:  # the new message, on the settled transcript
                     self.messages = session.messages + self.messages[-1:]
             self.target_ids = self.render(self.messages)
-            self.speculator = Speculator(session.draft_source(self.params.speculate), session.draft_length,
-                                         self.params.max_draft)
+            self.speculator = Speculator(session.draft_sources(self.params.speculate), session.draft_lengths,
+                                         self.params.max_draft, self.client.step_cost)
             self._open()
         except BaseException:
             self.__exit__(None, None, None)
@@ -123,11 +123,15 @@ class TurnLoop:
 
     # -- the phases --------------------------------------------------------------------------------
     def prefill(self) -> torch.Tensor:
-        """Send the prompt's new tokens; the logits [vocab] of the token after them."""
+        """Send the prompt's new tokens; the logits [vocab] of the token after them. A draft head also gets the
+        features of the prompt's last positions (as many as it asks for, from the last step)."""
         self.started = time.perf_counter()
-        chunk = self.halves.max_chunk
+        halves, chunk, wanted = self.halves, self.halves.max_chunk, self.speculator.prompt_features
         for i in range(0, len(self.new_prompt), chunk):
-            logits = self.halves.step(self.new_prompt[i:i + chunk])
+            part = self.new_prompt[i:i + chunk]
+            outputs = max(min(wanted, len(part)), 1) if i + chunk >= len(self.new_prompt) else 1
+            logits = halves.step(part, num_outputs=outputs, num_logits=1)
+        self.speculator.observed(halves.ids, halves.features)
         self.result.round_trips += 1  # the step whose output is the first token
         return logits[-1]
 
@@ -180,6 +184,7 @@ class TurnLoop:
         logits = self.halves.step([last] + proposal.drafts, num_outputs=len(proposal.drafts) + 1)
         new = accept_drafts(self.sampler, logits, context, proposal.drafts)
         self.speculator.verified(proposal, new)
+        self.speculator.observed(context + new[:-1], self.halves.features[:len(new)])  # the verified positions
         self.result.add_step(len(proposal.drafts), len(new) - 1)
         return new
 

@@ -29,8 +29,10 @@ class DraftLength:
       fitted from the measured step times (a round trip of 80 ms makes r tiny, a local
       server on a CPU makes it larger). It is a property of the link and the machines, not of
       the text, so a `Client` shares one `StepCost` among its sessions.
-    k maximises tokens per unit of time, (1 + a + … + a^k) / (1 + r·k), so it grows while
-    drafts are accepted and falls to 0 when they keep failing. A free source (n-grams) is
+    k maximises tokens per unit of time, (1 + a + … + a^k) / (1 + (r + c)·k), so it grows while
+    drafts are accepted and falls to 0 when they keep failing; c is what drafting one token costs
+    the laptop relative to a one-token step (`drafted`: 0 for a free source, the measured time of
+    a draft head or draft model otherwise). A free source (n-grams) is
     still asked at k = 0 and its first draft checked against the token actually sampled
     (`shadow`), so k comes back as soon as drafts would pay again; a costly source is probed
     with one draft now and then, less often after every failed probe."""
@@ -51,6 +53,7 @@ class DraftLength:
         self._idle = 0
         self._probe_gap = self.probe_every
         self._probing = False
+        self.draft_seconds = 0.0  # measured seconds per drafted token, a running mean (0 until measured)
 
     # -- estimates ------------------------------------------------------------------------------------
     @property
@@ -61,9 +64,23 @@ class DraftLength:
     def estimated_cost_ratio(self) -> float:
         return self.cost.ratio()
 
-    def best_k(self) -> int:
-        a, r = self.estimated_acceptance, self.estimated_cost_ratio
-        rates = [expected_tokens(a, k) / (1 + r * k) for k in range(self.max_draft + 1)]
+    @property
+    def estimated_draft_cost(self) -> float:
+        """Drafting one token, relative to a one-token step (0 for a free source or before any measurement)."""
+        if not self.draft_seconds:
+            return 0.0
+        one = self.cost.one_step()
+        return self.draft_seconds / one if one else 0.0
+
+    def rate(self, k: int) -> float:
+        """Tokens per unit of time with k drafts, relative to a plain one-token step."""
+        a, r, c = self.estimated_acceptance, self.estimated_cost_ratio, self.estimated_draft_cost
+        return expected_tokens(a, k) / (1 + (r + c) * k)
+
+    def best_k(self, limit: int | None = None) -> int:
+        """The k (at most `limit`, if given) that maximises `rate`, or 0 if no k beats a plain step."""
+        top = self.max_draft if limit is None else max(min(self.max_draft, limit), 0)
+        rates = [self.rate(k) for k in range(top + 1)]
         k = max(range(len(rates)), key=rates.__getitem__)
         return k if rates[k] > rates[0] * (1 + self.min_gain) else 0
 
@@ -74,11 +91,7 @@ class DraftLength:
         if k > 0 or is_free:
             self._idle = 0
             return k
-        self._idle += 1
-        if self._idle >= self._probe_gap:
-            self._idle, self._probing = 0, True
-            return 1
-        return 0
+        return 1 if self.probe() else 0
 
     def update(self, num_drafted: int, num_accepted: int) -> None:
         """A verified step: `num_accepted` of its `num_drafted` drafts were kept."""
@@ -98,6 +111,21 @@ class DraftLength:
         self._decay()
         self._accepted += was_right
         self._rejected += not was_right
+
+    def probe(self) -> bool:
+        """For a costly source that is not drafting: whether this step should carry one draft of it, to learn
+        whether it would pay again (a probe every `probe_every` steps, rarer after every failed probe)."""
+        self._idle += 1
+        if self._idle >= self._probe_gap:
+            self._idle, self._probing = 0, True
+            return True
+        return False
+
+    def drafted(self, num_tokens: int, seconds: float) -> None:
+        """Drafting `num_tokens` tokens took `seconds` on the laptop."""
+        if num_tokens > 0:
+            per = seconds / num_tokens
+            self.draft_seconds = per if not self.draft_seconds else 0.7 * self.draft_seconds + 0.3 * per
 
     def step_time(self, num_tokens: int, seconds: float) -> None:
         """The measured time of one step of `num_tokens` positions (round trip and client work)."""

@@ -8,11 +8,12 @@ tokens probably follow `context_ids`? — and may answer with nothing:
 
 - `PromptLookup` (`prompt_lookup.py`) copies from the conversation itself;
 - `AnswerIndex` (`answer_index.py`) from the client's own earlier answers;
-- `DraftModel` (`draft_model.py`) asks a small local model.
+- `DraftModel` (`draft_model.py`) asks a small local model;
+- `HeadDrafter` (`draft_head.py`) asks a draft head over the model's own features.
 
 Sources are shared by every session of a client, and sessions run in parallel
 threads (the OpenAI endpoint answers requests at once). A source that
-remembers the conversation it drafts for — a draft model's KV cache — therefore
+remembers the conversation it drafts for — a draft model's or a head's KV cache — therefore
 offers `fork()`: the same read-only parts with a state of its own, and each
 session drafts through its own fork (`per_session`), so that no draft ever
 depends on another session. The answer index is shared on purpose (that is
@@ -61,19 +62,39 @@ class FirstOf:
         return []
 
 
-def session_source(speculate: str, answer_index: DraftSource | None = None,
-                   draft_model: DraftSource | None = None) -> DraftSource | None:
-    """Where one session's drafts come from under `speculate` ("ngram", "draft" or "off"): the conversation
-    first, then the client's earlier answers, then the draft model (the session's own fork of it)."""
+SPECULATE = ("auto", "ngram", "draft", "head", "off")
+
+
+def session_sources(speculate: str, answer_index: DraftSource | None = None, draft_model: DraftSource | None = None,
+                    draft_head: DraftSource | None = None) -> list[DraftSource]:
+    """Where one session's drafts come from under `speculate` (the draft model and head: the session's own forks):
+
+    - "ngram": the conversation, then the client's earlier answers;
+    - "draft": the same, then the draft model;
+    - "head": the draft head alone;
+    - "auto": each of those available — lookup, head, draft model — as separate sources, for the speculator to
+      choose from step by step by measured speed (lookup alone when nothing else is there: "ngram");
+    - "off": none."""
+    if speculate not in SPECULATE:
+        raise ValueError(f"speculate must be one of {', '.join(SPECULATE)}, not {speculate!r}")
     if speculate == "off":
-        return None
-    sources: list[DraftSource] = [PromptLookup()]
+        return []
+    lookup: list[DraftSource] = [PromptLookup()]
     if answer_index is not None:
-        sources.append(answer_index)
+        lookup.append(answer_index)
+    lookup_source = lookup[0] if len(lookup) == 1 else FirstOf(*lookup)
     if speculate == "draft":
         if draft_model is None:
             raise InfemeralError("speculate='draft' needs a draft model (a small local model with this model's "
                                  "tokenizer): Client(draft_model=PATH), or --draft-model PATH on the command "
-                                 "line; or use speculate='ngram'")
-        sources.append(draft_model)
-    return sources[0] if len(sources) == 1 else FirstOf(*sources)
+                                 "line; or use speculate='auto'")
+        return [FirstOf(*lookup, draft_model)]
+    if speculate == "head":
+        if draft_head is None:
+            raise InfemeralError("speculate='head' needs a draft head for this model: Client(draft_head=PATH), or "
+                                 "--draft-head PATH on the command line (`infemeral-client train-drafter` trains "
+                                 "one); or use speculate='auto'")
+        return [draft_head]
+    if speculate == "auto":
+        return [lookup_source] + [s for s in (draft_head, draft_model) if s is not None]
+    return [lookup_source]

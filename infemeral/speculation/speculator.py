@@ -1,60 +1,143 @@
-"""One decode step's speculation: how many drafts, which ones, and what the step taught.
+"""One decode step's speculation: which source drafts, how many drafts, and what the step taught.
 
 The turn loop asks before each step (`propose`) and reports once the model has
 verified it (`verified`); between the two it sends the drafts and keeps what
-`accept_drafts` accepts. What the adaptive length learns — acceptance, the
-shadow check of a free source at k = 0, the step's time — is recorded here, so
-the loop only passes the step through.
+`accept_drafts` accepts. It also hands over the features of verified positions
+(`observed`), which a draft head drafts from. What the adaptive length learns —
+acceptance, the shadow check of a free source at k = 0, the step's time, what
+drafting costs — is recorded here, so the loop only passes the step through.
+
+With several sources (`--speculate auto` with a draft head or a draft model
+besides prompt lookup), each has its own `DraftLength`: its measured acceptance
+and its measured cost per draft token on the laptop, over the step cost of this
+link (shared). Every step goes to the source and k whose expected tokens per
+unit of time are highest, so a source is used only where it beats the others
+— a costly head never where prompt lookup drafts for free as well, nor at all
+where drafting costs more than it saves. Free sources propose every step
+(their guesses not sent are checked against the tokens sampled); a costly
+source that is not chosen is probed with one draft now and then.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import torch
 
 from infemeral.speculation.draft_length import DraftLength
 from infemeral.speculation.source import DraftSource
+from infemeral.speculation.step_cost import StepCost
 
 
 @dataclass
 class Proposal:
     drafts: list[int]  # sent with the step, to be verified
     shadow: list[int]  # proposed by a free source at k = 0 and not sent: checked against the token sampled
-    started: float     # when drafting began: a step's time includes it (a draft model's is real)
+    started: float     # when the step began (after drafting, which is measured apart)
+    source: str | None = None  # the source of `drafts`
+    shadows: dict[str, list[int]] = field(default_factory=dict)  # several sources: each free one's guesses
 
 
 class Speculator:
-    """Drafts for one turn from `source` (None: never), `length` choosing how many; `length` outlives the
-    turn (a session keeps learning across its turns)."""
+    """Drafts for one turn from `sources` (none: never), each with its `DraftLength` in `lengths` (a
+    session's, by source name: they outlive the turn, so a session keeps learning across its turns)."""
 
-    def __init__(self, source: DraftSource | None, length: DraftLength, max_draft: int):
-        self.source, self.length = source, length
-        length.max_draft = max_draft if source is not None else 0
+    def __init__(self, sources: Sequence[DraftSource] | DraftSource | None, lengths: dict[str, DraftLength] |
+                 DraftLength, max_draft: int, cost: StepCost | None = None):
+        if sources is None:
+            sources = []
+        elif not isinstance(sources, Sequence):
+            sources = [sources]
+        self.sources = list(sources)
+        if isinstance(lengths, DraftLength):  # one source, one length
+            lengths = {s.name: lengths for s in self.sources}
+        for s in self.sources:
+            if s.name not in lengths:
+                lengths[s.name] = DraftLength(cost=cost or StepCost())
+            lengths[s.name].max_draft = max_draft
+        self.lengths = {s.name: lengths[s.name] for s in self.sources}
+        self._max_draft = max_draft if self.sources else 0
+        self.prompt_features = max((getattr(s, "prompt_features", 0) for s in self.sources), default=0)
 
     @property
     def max_draft(self) -> int:
         """Most drafts a step of this turn may carry (they occupy cache pages until verified)."""
-        return self.length.max_draft
+        return self._max_draft
 
+    @property
+    def length(self) -> DraftLength | None:
+        """The draft length of the only source (None unless there is exactly one)."""
+        return next(iter(self.lengths.values())) if len(self.lengths) == 1 else None
+
+    # -- the loop's calls -----------------------------------------------------------------------------
     def propose(self, context_ids: Sequence[int], room: int) -> Proposal:
         """The drafts to send after `context_ids` (whose last token is sampled, not yet in the caches), at most
         `room` of them."""
-        started = time.perf_counter()
-        source = self.source
-        if source is None:
-            return Proposal([], [], started)
-        k = min(self.length.choose(source.is_free), room)
-        if k > 0:
-            return Proposal(source.propose(context_ids, k)[:k], [], started)
-        shadow = source.propose(context_ids, 1) if source.is_free else []
-        return Proposal([], shadow, started)
+        if not self.sources:
+            return Proposal([], [], time.perf_counter())
+        if len(self.sources) == 1:
+            return self._propose_one(self.sources[0], context_ids, room)
+        return self._propose_best(context_ids, room)
+
+    def observed(self, ids: Sequence[int], features: torch.Tensor) -> None:
+        """`features` [n, d] of the last n positions of `ids`, all verified: for sources that draft from them."""
+        for source in self.sources:
+            observe = getattr(source, "observe", None)
+            if observe is not None:
+                observe(ids, features)
 
     def verified(self, proposal: Proposal, new: list[int]) -> None:
         """The step carrying `proposal` came back: `new` is the accepted drafts and then the model's own token."""
+        if not self.sources:
+            return
         drafts = proposal.drafts
-        self.length.step_time(len(drafts) + 1, time.perf_counter() - proposal.started)
+        seconds = time.perf_counter() - proposal.started
+        next(iter(self.lengths.values())).step_time(len(drafts) + 1, seconds)  # the link's cost: shared by all
         if drafts:
-            self.length.update(len(drafts), len(new) - 1)
-        elif proposal.shadow:
-            self.length.shadow(proposal.shadow[0] == new[0])
+            self.lengths[proposal.source].update(len(drafts), len(new) - 1)
+        elif proposal.shadow and len(self.sources) == 1:
+            self.lengths[self.sources[0].name].shadow(proposal.shadow[0] == new[0])
+        for name, guesses in proposal.shadows.items():
+            if guesses and name != proposal.source:
+                self.lengths[name].shadow(guesses[0] == new[0])
+
+    # -- choosing ------------------------------------------------------------------------------------
+    def _propose_one(self, source: DraftSource, context_ids: Sequence[int], room: int) -> Proposal:
+        length = self.lengths[source.name]
+        k = min(length.choose(source.is_free), room)
+        if k > 0:
+            drafts = self._draft(source, context_ids, k)
+            return Proposal(drafts, [], time.perf_counter(), source.name)
+        shadow = source.propose(context_ids, 1) if source.is_free else []
+        return Proposal([], shadow, time.perf_counter(), source.name)
+
+    def _propose_best(self, context_ids: Sequence[int], room: int) -> Proposal:
+        """The source and k of the highest expected rate; free sources' guesses are had first (they cost
+        nothing) and bound their k; a costly source is asked only once chosen."""
+        guesses = {s.name: s.propose(context_ids, self._max_draft) for s in self.sources if s.is_free}
+        best = None  # (rate, source, k)
+        for source in self.sources:
+            length = self.lengths[source.name]
+            limit = min(room, len(guesses[source.name])) if source.is_free else room
+            k = length.best_k(limit)
+            if k > 0 and (best is None or length.rate(k) > best[0]):
+                best = (length.rate(k), source, k)
+        if best is None and room > 0:  # nothing pays now: probe a costly source once in a while
+            for source in self.sources:
+                if not source.is_free and self.lengths[source.name].probe():
+                    best = (0.0, source, 1)
+                    break
+        if best is None:
+            return Proposal([], [], time.perf_counter(), None, guesses)
+        _, source, k = best
+        drafts = guesses[source.name][:k] if source.is_free else self._draft(source, context_ids, k)
+        return Proposal(drafts, [], time.perf_counter(), source.name, guesses)
+
+    def _draft(self, source: DraftSource, context_ids: Sequence[int], k: int) -> list[int]:
+        started = time.perf_counter()
+        drafts = source.propose(context_ids, k)[:k]
+        if not source.is_free:
+            self.lengths[source.name].drafted(max(len(drafts), 1), time.perf_counter() - started)
+        return drafts

@@ -42,3 +42,12 @@ class StepCost:
         if one <= 0:
             return self.prior
         return min(max(slope / one, 0.0), 1.0)
+
+    def one_step(self) -> float | None:
+        """The predicted seconds of a one-token step (round trip and both halves' work), None before any step."""
+        with self._lock:
+            w, n, t = self.w, self.n, self.t
+        if w <= 0:
+            return None
+        r = self.ratio()
+        return (t / w) / (1 + r * (n / w - 1))  # t ≈ one · (1 + r·(n − 1))

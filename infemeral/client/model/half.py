@@ -129,8 +129,19 @@ class ClientModel:
     @torch.inference_mode()
     def logits(self, residual: torch.Tensor) -> torch.Tensor:
         """Un-rotate the server's final residual [n, d] and apply final norm and LM head: [n, vocab], float32 on CPU."""
+        return self.project(self.features(residual))
+
+    @torch.inference_mode()
+    def features(self, residual: torch.Tensor) -> torch.Tensor:
+        """Un-rotate the server's final residual [n, d] and apply the final norm: what the LM head reads (the
+        feature a draft head drafts from), [n, d] in the compute dtype."""
         hidden = self._from_secret(residual.to(self.device, self.dtype))
-        return self.head.project(self.norm(hidden.unsqueeze(0))[0]).float().cpu()
+        return self.norm(hidden.unsqueeze(0))[0]
+
+    @torch.inference_mode()
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        """The LM head over `features` [n, d]: [n, vocab], float32 on CPU."""
+        return self.head.project(features).float().cpu()
 
 
 class _LazyTensors(Mapping):

@@ -1,0 +1,138 @@
+"""Choosing the draft source step by step (`--speculate auto`), on a simulated link with a simulated clock.
+
+Sources guess a known sequence right with a set probability; a costly source advances the clock by
+its cost per draft token; a step costs a round trip plus a cost per position. `auto` must come within
+a few percent of the best single source in every regime, and never fall behind prompt lookup alone.
+"""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from infemeral.speculation import speculator as speculator_module
+from infemeral.speculation.source import FirstOf, session_sources
+from infemeral.speculation.speculator import Speculator
+from infemeral.speculation.step_cost import StepCost
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def perf_counter(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    c = Clock()
+    monkeypatch.setattr(speculator_module, "time", SimpleNamespace(perf_counter=c.perf_counter))
+    return c
+
+
+class Guesser:
+    """Drafts the sequence 0, 1, 2, …: after a context of length n the truth is n, n+1, …; each draft is right
+    with probability `right` (given the one before), proposes only at a share `proposes` of positions, and
+    costs `seconds` per draft token."""
+
+    def __init__(self, name: str, clock: Clock, *, right: float, proposes: float = 1.0, seconds: float = 0.0,
+                 seed: int = 0):
+        self.name, self.clock = name, clock
+        self.right, self.proposes, self.seconds, self.seed = right, proposes, seconds, seed
+        self.is_free = seconds == 0
+
+    def propose(self, context, max_draft):
+        n = len(context)
+        rng = random.Random(self.seed * 1_000_003 + n)
+        if rng.random() >= self.proposes:
+            return []
+        self.clock.t += self.seconds * max_draft
+        drafts = []
+        for j in range(max_draft):
+            drafts.append(n + j if rng.random() < self.right else -1)
+        return drafts
+
+
+def tokens_per_second(clock: Clock, sources: list, *, rtt: float, per_position: float, tokens: int = 600) -> float:
+    spec = Speculator(sources, {}, 8, StepCost())
+    start, done = clock.t, 0
+    context = [0]
+    while done < tokens:
+        proposal = spec.propose(context, 8)
+        clock.t += rtt + per_position * (1 + len(proposal.drafts))
+        n = len(context)
+        accepted = 0
+        for j, d in enumerate(proposal.drafts):
+            if d != n + j:
+                break
+            accepted += 1
+        new = list(range(n, n + accepted + 1))
+        spec.verified(proposal, new)
+        context += new
+        done += len(new)
+    return done / (clock.t - start)
+
+
+REGIMES = {
+    # open chat over a WAN: lookup rarely proposes, a cheap head is often right
+    "chat-wan": dict(rtt=0.080, per_position=0.002, lookup=dict(right=0.8, proposes=0.1),
+                     head=dict(right=0.7, seconds=0.002)),
+    # a local server on a slow laptop: a draft token of the head costs as much as a whole step
+    "costly-head": dict(rtt=0.060, per_position=0.006, lookup=dict(right=0.8, proposes=0.1),
+                        head=dict(right=0.6, seconds=0.066)),
+    # copying the prompt: lookup proposes everywhere and is nearly always right
+    "copy": dict(rtt=0.080, per_position=0.002, lookup=dict(right=0.95, proposes=1.0),
+                 head=dict(right=0.6, seconds=0.002)),
+    # a head that is always wrong
+    "useless-head": dict(rtt=0.020, per_position=0.010, lookup=dict(right=0.7, proposes=0.3),
+                         head=dict(right=0.0, seconds=0.001)),
+}
+
+
+@pytest.mark.parametrize("regime", list(REGIMES))
+def test_auto_matches_the_best_source_and_never_falls_behind_lookup(clock, regime):
+    r = REGIMES[regime]
+    make = lambda: (Guesser("ngram", clock, seed=1, **r["lookup"]),  # noqa: E731
+                    Guesser("head", clock, seed=2, **r["head"]))
+    link = dict(rtt=r["rtt"], per_position=r["per_position"])
+    lookup, head = make()
+    lookup_only = tokens_per_second(clock, [lookup], **link)
+    head_only = tokens_per_second(clock, [make()[1]], **link)
+    auto = tokens_per_second(clock, list(make()), **link)
+    assert auto >= 0.95 * max(lookup_only, head_only), (auto, lookup_only, head_only)
+    assert auto >= 0.97 * lookup_only
+
+
+def test_auto_over_the_wan_gains_from_the_head(clock):
+    r = REGIMES["chat-wan"]
+    link = dict(rtt=r["rtt"], per_position=r["per_position"])
+    lookup_only = tokens_per_second(clock, [Guesser("ngram", clock, seed=1, **r["lookup"])], **link)
+    auto = tokens_per_second(clock, [Guesser("ngram", clock, seed=1, **r["lookup"]),
+                                     Guesser("head", clock, seed=2, **r["head"])], **link)
+    assert auto > 1.5 * lookup_only
+
+
+def test_a_session_learns_per_source_and_the_link_is_shared(clock):
+    lengths: dict = {}
+    cost = StepCost()
+    sources = [Guesser("ngram", clock, right=0.9, proposes=0.5), Guesser("head", clock, right=0.5, seconds=0.001)]
+    spec = Speculator(sources, lengths, 8, cost)
+    for n in range(1, 40):
+        proposal = spec.propose(list(range(n)), 8)
+        clock.t += 0.05
+        spec.verified(proposal, [n])
+    assert set(lengths) == {"ngram", "head"} and lengths["ngram"].cost is lengths["head"].cost is cost
+    assert lengths["head"].draft_seconds > 0 and lengths["ngram"].draft_seconds == 0
+
+
+def test_auto_without_a_head_or_draft_model_is_prompt_lookup():
+    assert [s.name for s in session_sources("auto")] == [s.name for s in session_sources("ngram")] == ["ngram"]
+    answers = SimpleNamespace(name="answers", is_free=True, propose=lambda c, k: [])
+    head = SimpleNamespace(name="head", is_free=False, propose=lambda c, k: [])
+    auto = session_sources("auto", answers, None, head)
+    assert isinstance(auto[0], FirstOf) and [s.name for s in auto] == ["ngram+answers", "head"]
+    assert session_sources("head", answers, None, head) == [head]
+    assert session_sources("off", answers, None, head) == []
