@@ -246,3 +246,16 @@ def test_prepare_replaces_existing_bundles(tmp_path):
     assert ClientBundle.open(second.client_dir).server_fingerprint == second.fingerprint
     # No temporary directories are left behind next to the bundles.
     assert sorted(p.name for p in tmp_path.iterdir()) == ["client", "server"]
+
+
+def test_prepare_says_what_it_is_doing_at_every_stage(tmp_path, capsys):
+    """No stage passes in silence: the model being read, the basis, the layer bar, the writing, in that order."""
+    prepare(output=tmp_path, source=ModelSource(tiny_model(), tiny_tokenizer(), "a tiny Llama"), progress=True)
+    err = capsys.readouterr().err
+    stages = ["reading a tiny Llama...", f"drawing the secret basis ({HIDDEN} x {HIDDEN})...", "preparing layers",
+              f"writing the client bundle (embedding, LM head, tokenizer) to {tmp_path / 'client'}...",
+              "moving both bundles into place..."]
+    at = [err.find(stage) for stage in stages]
+    assert -1 not in at and at == sorted(at), err
+    prepare(output=tmp_path, source=ModelSource(tiny_model(), tiny_tokenizer(), "a tiny Llama"), progress=False)
+    assert capsys.readouterr().err == ""

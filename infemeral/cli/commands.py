@@ -25,6 +25,8 @@ def session_path(settings: ClientSettings, name: str) -> Path:
 
 
 def prepare(args) -> int:
+    if not args.quiet:  # the first sign of life, before seconds of imports
+        print("loading torch and transformers...", file=sys.stderr, flush=True)
     from infemeral.cloak.heap import map_large_allocations
     from infemeral.cloak.prepare import prepare as prepare_bundles
     from infemeral.paths import DATA_HOME

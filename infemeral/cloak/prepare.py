@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,6 +71,8 @@ def prepare(model: str | Path | None = None, output: str | Path = "bundles", *,
     client_dir = Path(client_dir).expanduser() if client_dir else output / "client"
     server_dir = Path(server_dir).expanduser() if server_dir else output / "server"
     quant = served.ServerQuant(server_quant, quant_method, group_size, int8_linears)
+    say = _stages(progress)
+    say(f"reading {source.description if source else model or 'the packaged SmolLM2-135M-Instruct'}")
     source = source or open_source(model)
     config = B.clean_config(source.config)
     total = config.num_hidden_layers
@@ -79,6 +82,7 @@ def prepare(model: str | Path | None = None, output: str | Path = "bundles", *,
     d = config.hidden_size
 
     # Round Q once, then rotate the weights with exactly the Q the client will use.
+    say(f"drawing the secret basis ({d} x {d})")
     basis = random_orthogonal(d, basis_seed).to(torch.float32)
     q64 = basis.to(torch.float64)
 
@@ -89,6 +93,7 @@ def prepare(model: str | Path | None = None, output: str | Path = "bundles", *,
         taken: dict[str, torch.Tensor] = {}  # tables read early (calibration embeds its text first)
         calibration = None
         if quant.needs_calibration:
+            say("embedding the calibration text")
             calibration = _calibration(source, config, taken, calibration_tokens)
         bar = tqdm(range(total), desc="preparing layers", unit="layer", disable=not progress)
         client_tensors: dict[str, torch.Tensor] = {}
@@ -115,6 +120,7 @@ def prepare(model: str | Path | None = None, output: str | Path = "bundles", *,
             files[name] = B.sha256_file(server_tmp / name)
             del weights, tensors
 
+        say(f"writing the client bundle (embedding, LM head, tokenizer) to {client_dir}")
         tables = {"embed_tokens": "model.embed_tokens.weight"}
         if not getattr(config, "tie_word_embeddings", False) and source.has("lm_head.weight"):
             tables["lm_head"] = "lm_head.weight"
@@ -158,6 +164,7 @@ def prepare(model: str | Path | None = None, output: str | Path = "bundles", *,
             "server_fingerprint": manifest["fingerprint"], "source": source.description,
         }, indent=2))
         B.restrict_tree(client_tmp)
+        say("moving both bundles into place")
         _replace(server_tmp, server_dir)
         _replace(client_tmp, client_dir)
     except BaseException:
@@ -192,6 +199,16 @@ def _quantized_layer(index: int, weights: dict, q64: torch.Tensor, quant: served
     quantized = {name for name, t in tensors.items() if not t.is_floating_point()}
     quantized |= {n.rsplit(".", 1)[0] + s for n in quantized for s in (".scale", ".scales", ".zeros")}
     return {k: (t if k in quantized else t.to(dtype)).contiguous() for k, t in tensors.items()}
+
+
+def _stages(progress: bool):
+    """What prepare is doing, one line a stage on stderr (beside the layer bar), so that no stage passes in silence:
+    reading a model takes 10 s and more before the first layer, writing the client bundle seconds after the last."""
+    def say(text: str) -> None:
+        if progress:
+            tqdm.write(f"{text}...", file=sys.stderr)
+            sys.stderr.flush()
+    return say
 
 
 def _parent(path: Path) -> Path:
