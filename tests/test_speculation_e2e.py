@@ -289,6 +289,60 @@ def test_a_draft_head_keeps_the_output(reference, server, bundles, random_head):
     assert sampled[0].token_ids == sampled[1].token_ids and sampled[1].drafted_tokens > 0
 
 
+def test_sessions_drafting_from_one_head_at_once_each_draft_alone(reference, server, bundles, random_head):
+    """Two sessions of one client answer at once in threads with one draft head: the tokens are speculation
+    off's, each session drafts through a drafter of its own, and replaying what one drafter was told (the
+    features it observed, the contexts it drafted for) on a fresh drafter, alone, gives the same drafts."""
+    from infemeral.speculation.draft_head import DraftHead, HeadDrafter
+
+    calls: list = []
+
+    class RecordingDrafter(HeadDrafter):
+        def observe(self, context_ids, features):
+            calls.append((id(self), "observe", list(context_ids), features.clone()))
+            super().observe(context_ids, features)
+
+        def propose(self, context_ids, max_draft):
+            drafts = super().propose(context_ids, max_draft)
+            calls.append((id(self), "propose", list(context_ids), max_draft, drafts))
+            return drafts
+
+    questions = ["Why is the sky blue?", "What is the capital of France?"]
+    expected = [plain_greedy(reference, [{"role": "user", "content": q}]) for q in questions]
+    results, errors = {}, []
+    start = threading.Barrier(len(questions))
+    with Client(f"127.0.0.1:{server.port}", bundles.client_dir, timeout=300) as client:
+        head = DraftHead.load(random_head, client.model)
+        head.fork = lambda: RecordingDrafter(head)
+        client.draft_head = head
+
+        def run(i: int) -> None:
+            try:
+                session = client.new_session()
+                start.wait()
+                results[i] = session.chat(questions[i], greedy(speculate="head"))
+            except BaseException as e:  # reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(questions))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(600)
+    assert not errors, errors
+    assert [results[i].token_ids for i in range(len(questions))] == expected
+    assert all(r.drafted_tokens > 0 for r in results.values())
+    drafters = {c[0] for c in calls}
+    assert len(drafters) == len(questions)  # one drafter per session
+    for drafter in drafters:
+        alone = HeadDrafter(head)
+        for _, kind, context, *rest in (c for c in calls if c[0] == drafter):
+            if kind == "observe":
+                alone.observe(context, rest[0])
+            else:
+                assert alone.propose(context, rest[0]) == rest[1]
+
+
 def test_seeded_sampling_reproduces_with_speculation(client):
     params = dict(temperature=0.7, top_p=0.95, seed=1234)
     question = copy(PASSAGES[3])
