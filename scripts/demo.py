@@ -1,8 +1,15 @@
 """`make demo`: prepare the default bundles (once), start a real server on localhost,
-stream a real answer through it with the real CLI, report speed, stop the server."""
+stream a real answer through it with the real CLI, report speed, stop the server.
+
+The bundles go where `infemeral-client prepare` puts them and every command looks
+by default (~/.local/share/infemeral/bundles/default), so the commands the demo
+prints at the end (README, "Run it locally") work as they are, without preparing
+again; the answer index goes beside them, as for any `generate`.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -12,9 +19,9 @@ import tempfile
 from pathlib import Path
 
 from infemeral.client.health import wait_until_serving
+from infemeral.paths import DATA_HOME
 
-ROOT = Path(__file__).resolve().parent.parent
-BUNDLES = ROOT / ".bundles" / "default"
+BUNDLES = DATA_HOME / "bundles" / "default"  # the default of every command
 QUESTION = os.environ.get("DEMO_QUESTION", "What are three good reasons to learn to cook at home?")
 BIN = Path(sys.executable).parent
 
@@ -27,10 +34,11 @@ def free_port() -> int:
 
 def main() -> int:
     if not (BUNDLES / "server" / "manifest.json").exists() or not (BUNDLES / "client" / "manifest.json").exists():
-        print("==> preparing the default model bundles (once; cached in .bundles/)", flush=True)
-        subprocess.run([BIN / "infemeral-client", "prepare", "--output", BUNDLES], check=True)
+        print(f"==> infemeral-client prepare   # the packaged model, once, into {shown(BUNDLES)}", flush=True)
+        subprocess.run([BIN / "infemeral-client", "prepare"], check=True)
     else:
-        print(f"==> using cached bundles in {BUNDLES.relative_to(ROOT)}", flush=True)
+        source = json.loads((BUNDLES / "client" / "manifest.json").read_text()).get("source", "?")
+        print(f"==> using the bundles in {shown(BUNDLES)} (prepared from {Path(source).name})", flush=True)
 
     port = free_port()
     address = f"127.0.0.1:{port}"
@@ -49,7 +57,27 @@ def main() -> int:
             server.send_signal(signal.SIGTERM)
             server.wait(timeout=30)
         print(f"\n==> server stopped (exit code {server.returncode})")
+    if rc == 0:
+        print(NEXT_STEPS.format(activate=shown(BIN / "activate")))
     return rc
+
+
+NEXT_STEPS = """
+==> next, with the same bundles (README, "Run it locally"):
+      . {activate}
+      infemeral-server                 # in one terminal: serves on 127.0.0.1:50051 until Ctrl-C
+      infemeral-client chat            # in another: Ctrl-D quits
+      infemeral-client serve           # or an OpenAI-compatible API on http://127.0.0.1:8080/v1"""
+
+
+def shown(path: Path) -> str:
+    """`path` as a person would type it: relative to the checkout or to ~ where it lies under one."""
+    for base, prefix in ((Path.cwd(), ""), (Path.home(), "~/")):
+        try:
+            return prefix + str(path.relative_to(base))
+        except ValueError:
+            pass
+    return str(path)
 
 
 if __name__ == "__main__":
