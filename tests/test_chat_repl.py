@@ -202,3 +202,31 @@ def test_an_answer_closed_early_leaves_both_caches_as_they_were(server, client):
     assert answer.token_ids == reference.chat(THIRD, params).token_ids
     for s in (session, reference):
         s.delete()
+
+
+@pytest.mark.slow
+def test_ctrl_d_ends_a_chat_and_says_its_conversation_was_deleted(server, bundles, tmp_path):
+    """A chat without --session, ended with Ctrl-D in a real terminal: it says what became of the conversation,
+    and the server no longer holds it."""
+    from conftest import StoredSession
+
+    env = dict(os.environ, INFEMERAL_SERVER=f"127.0.0.1:{server.port}", INFEMERAL_CLIENT_BUNDLE=str(bundles.client_dir),
+               INFEMERAL_CHAT_HISTORY="", INFEMERAL_ANSWER_INDEX_DIR=str(tmp_path / "answers"), TERM="dumb")
+    before = set(os.listdir(server.settings.store))
+    term = Terminal([sys.executable, "-m", "infemeral.cli", "chat", "--max-new-tokens", "8"], env)
+    chat = term.io
+    try:
+        chat.expect_exact("you> ", timeout=LOAD_TIMEOUT)
+        chat.sendline(FIRST)
+        chat.expect_exact("assistant> ")
+        chat.expect_exact("you> ")
+        created = set(os.listdir(server.settings.store)) - before
+        assert len(created) == 1 and StoredSession(server.settings.store, bytes.fromhex(created.pop())).exists()
+        chat.send("\x04")  # Ctrl-D, as typed at an empty prompt
+        chat.expect_exact("conversation deleted on the server (start with --session NAME to keep one)")
+        chat.expect(pexpect.EOF)
+        assert term.wait() == 0, chat.before
+    finally:
+        term.close()
+    assert not any(StoredSession(server.settings.store, bytes.fromhex(name)).exists()
+                   for name in set(os.listdir(server.settings.store)) - before)

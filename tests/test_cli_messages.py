@@ -62,3 +62,16 @@ def test_every_command_says_what_it_does_in_its_help(capsys, command, says):
     with pytest.raises(SystemExit):
         main([command, "--help"])
     assert says in " ".join(capsys.readouterr().out.split())
+
+
+def test_ctrl_c_leaves_the_shell_prompt_on_a_line_of_its_own(capsys, monkeypatch):
+    from infemeral.cli import main as cli_main
+
+    def interrupted(args):
+        print("Paris is the capital", end="", flush=True)  # an answer cut off mid-line
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(cli_main.COMMANDS, "generate", interrupted)
+    code = main(["generate", "hi"])
+    out = capsys.readouterr()
+    assert code == 130 and out.out == "Paris is the capital" and out.err == "\n"

@@ -7,9 +7,18 @@ printed and JSON forms show them only when asked (`show_tokens`).
 from __future__ import annotations
 
 import json
+import shutil
+import textwrap
 from dataclasses import asdict, dataclass, field
 
 COLUMNS = ("attack", "observer knows", "whole prompt", "your own text", "time")
+GAP = "  "          # between columns
+MIN_COLUMN = 12     # narrower than this a column of prose reads badly: the table becomes one block per attack
+
+
+def terminal_width() -> int:
+    """Columns of the terminal the report is printed to (COLUMNS, then the terminal; 100 for a pipe or file)."""
+    return shutil.get_terminal_size((100, 24)).columns
 
 
 @dataclass
@@ -43,11 +52,23 @@ class AuditReport:
         return row.metrics.get(name, default) if row else default
 
     # -- forms --------------------------------------------------------------------------------
-    def table(self) -> str:
+    def table(self, width: int | None = None) -> str:
+        """The rows as a table `width` columns wide (default: the terminal's), its cells wrapped to fit; in a
+        terminal too narrow for that, one block per attack."""
+        width = width or terminal_width()
         cells = [COLUMNS] + [(r.attack, r.observer, r.overall, r.user_text, r.time) for r in self.rows]
-        widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(cell, widths)).rstrip() for cell in cells]
-        lines.insert(1, "  ".join("-" * w for w in widths))
+        room = width - len(GAP) * (len(COLUMNS) - 1)
+        widths = _fit(cells, room)
+        if widths is None:
+            return "\n\n".join(_block(cell, width) for cell in cells[1:])
+        lines = []
+        for row, cell in enumerate(cells):
+            wrapped = [textwrap.wrap(text, w) or [""] for text, w in zip(cell, widths)]
+            for k in range(max(map(len, wrapped))):
+                lines.append(GAP.join((parts[k] if k < len(parts) else "").ljust(w)
+                                      for parts, w in zip(wrapped, widths)).rstrip())
+            if row == 0:
+                lines.append(GAP.join("-" * w for w in widths))
         return "\n".join(lines)
 
     def verdict(self) -> list[str]:
@@ -70,16 +91,18 @@ class AuditReport:
                      "Running more layers on the client does not stop vocabulary matching.")
         return lines
 
-    def text(self, show_tokens: bool = False) -> str:
+    def text(self, show_tokens: bool = False, width: int | None = None) -> str:
+        """The report for a person: `width` columns wide (default: the terminal's)."""
+        width = width or terminal_width()
         head = (f"infemeral audit: {self.prompt_tokens} tokens sent to the pod ({self.user_tokens} of them your own "
                 f"text), {self.client_layers} client layer(s), {self.wire_dtype} on the wire; public weights: "
                 f"{self.public_weights}")
-        parts = [head, "", self.table(), ""]
-        parts += [f"note: {n}" for n in self.notes]
+        parts = [textwrap.fill(head, width), "", self.table(width), ""]
+        parts += [textwrap.fill(f"note: {n}", width) for n in self.notes]
         if self.notes:
             parts.append("")
-        parts += self.verdict()
-        if show_tokens:
+        parts += [textwrap.fill(line, width) for line in self.verdict()]
+        if show_tokens:  # as recovered, unwrapped: it is the text itself
             parts.append("")
             parts += [f"{r.attack} recovers: {r.recovered_text!r}" for r in self.rows if r.recovered_text is not None]
         return "\n".join(parts)
@@ -94,3 +117,31 @@ class AuditReport:
 
     def to_json(self, show_tokens: bool = False) -> str:
         return json.dumps(self.to_dict(show_tokens), indent=2)
+
+
+def _fit(cells: list[tuple[str, ...]], room: int) -> list[int] | None:
+    """Column widths for `cells` that fit `room`, one column narrower at a time: the one whose cells then take the
+    fewest more lines (of equals, the widest), none below MIN_COLUMN; None if even that does not fit."""
+    columns = list(zip(*cells))
+    widths = [max(map(len, column)) for column in columns]
+
+    def lines(i: int, width: int) -> int:
+        return sum(len(textwrap.wrap(text, width)) for text in columns[i])
+
+    while sum(widths) > room:
+        narrower = [i for i, w in enumerate(widths) if w > MIN_COLUMN]
+        if not narrower:
+            return None
+        i = min(narrower, key=lambda i: (lines(i, widths[i] - 1) - lines(i, widths[i]), -widths[i]))
+        widths[i] -= 1
+    return widths
+
+
+def _block(cell: tuple[str, ...], width: int) -> str:
+    """One attack as a block: its name, then each column as `name: value`, wrapped and indented."""
+    lines = textwrap.wrap(cell[0], width) or [""]
+    for name, value in zip(COLUMNS[1:], cell[1:]):
+        if value:
+            lines += textwrap.wrap(f"{name}: {value}", width, initial_indent="  ",
+                                   subsequent_indent="    ")
+    return "\n".join(lines)
