@@ -18,9 +18,10 @@ distribution restricted to those tokens, and drafting multiplies by only their
 rows of the LM head. The answers are cached (`cache_dir`), so training again
 with other settings does not ask the model again.
 
-Answers are generated in bfloat16 on a CPU (several times faster than float32
-there, and still the model's own kind of text); features are always computed in
-float32, as the exact client computes them. Training time is a budget
+Answers are generated in bfloat16 on a CPU (faster than float32 there — 0.5
+against 0.9 s per step of 32 answers, measured on a loaded 2-core machine — and
+still the model's own kind of text); features are then computed in float32 by
+one forward pass, as the exact client computes them. Training time is a budget
 (`minutes`): the learning rate follows a cosine over it, so a run ends on time
 with a finished schedule whatever the machine's speed. It ends with a held-out
 measurement: tokens a step would yield with k drafts, drafted exactly as the
@@ -47,7 +48,7 @@ from infemeral.speculation.head_prompts import chat_prompts
 from infemeral.speculation.train_settings import DEFAULT_CACHE, TrainSettings
 
 log = logging.getLogger(__name__)
-DATA_FORMAT = 2
+DATA_FORMAT = 3
 
 
 @dataclass
@@ -119,52 +120,83 @@ def eos_ids_of(model, tokenizer) -> set[int]:
     return ids
 
 
+class ThreadChoice:
+    """The faster of one CPU thread and all of them, measured on the work itself and measured again often.
+
+    On a machine whose cores other processes keep busy, every parallel region of a multi-threaded op waits for
+    a thread that is not running: one thread is then several times faster (measured here under load: 0.9 s
+    against 6.8 s per decode step of 32 answers); on a quiet machine all threads are. The load changes during
+    a run of many minutes, so each batch of answers times its first steps both ways and keeps the faster."""
+
+    def __init__(self, device: torch.device, most: int | None = None, fixed: int = 0):
+        self.most = most or torch.get_num_threads()
+        self.is_fixed = bool(fixed) or device.type != "cpu" or self.most <= 1
+        if fixed:
+            torch.set_num_threads(fixed)
+        self._timings: dict[int, float] = {}
+
+    def before(self, step: int) -> float:
+        """Call before decode step `step` of a batch (0, 1, ...); steps 0-3 are the trials."""
+        if self.is_fixed or step >= 4:
+            return 0.0
+        if step == 0:
+            self._timings = {}
+        torch.set_num_threads(1 if step < 2 else self.most)
+        return time.perf_counter()
+
+    def after(self, step: int, started: float) -> None:
+        if self.is_fixed or step >= 4:
+            return
+        threads = torch.get_num_threads()
+        seconds = time.perf_counter() - started
+        self._timings[threads] = min(seconds, self._timings.get(threads, seconds))
+        if step == 3:
+            torch.set_num_threads(min(self._timings, key=self._timings.get))
+
+
 @torch.inference_mode()
 def answer(model, tokenizer, prompts: list[list[int]], *, max_new_tokens: int, batch: int, dtype: torch.dtype,
-           device: torch.device, progress: bool = True) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """The model's greedy answer to each prompt (ending with its end-of-turn token if it ended there), and the
-    feature of every position of prompt and answer — the top layer after the final norm, which the decoding
-    computes anyway: one pass gives both."""
+           device: torch.device, threads: ThreadChoice | None = None, progress: bool = True) -> list[list[int]]:
+    """The model's greedy answer to each prompt (ending with its end-of-turn token if it ended there), in
+    batches of `batch` prompts, left-padded so that every answer starts at the same column."""
     from tqdm import tqdm
     from transformers import DynamicCache
 
     eos = eos_ids_of(model, tokenizer)
+    threads = threads or ThreadChoice(device, fixed=torch.get_num_threads())
     runner = model.to(device, dtype)
-    body, lm_head = runner.model, runner.get_output_embeddings()
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     answers: list[list[int]] = [[] for _ in prompts]
-    features: list[torch.Tensor | None] = [None] * len(prompts)
     bar = tqdm(total=len(prompts) * max_new_tokens, desc="answering", unit="tok", disable=not progress)
     for b in range(0, len(order), batch):
         group = order[b:b + batch]
         width = max(len(prompts[i]) for i in group)
         ids = torch.zeros((len(group), width), dtype=torch.long)
         mask = torch.zeros((len(group), width), dtype=torch.long)
-        for row, i in enumerate(group):  # left-padded: every answer starts at the same column
+        for row, i in enumerate(group):
             ids[row, width - len(prompts[i]):] = torch.tensor(prompts[i])
             mask[row, width - len(prompts[i]):] = 1
         ids, mask = ids.to(device), mask.to(device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=runner.config)
-        hidden = body(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                      use_cache=True).last_hidden_state
-        steps = [hidden]
-        tokens = [lm_head(hidden[:, -1]).argmax(-1)]
+        logits = runner(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                        use_cache=True, logits_to_keep=1).logits
+        tokens = [logits[:, -1].argmax(-1)]
         is_done = torch.tensor([int(t) in eos for t in tokens[0]])
-        for _ in range(max_new_tokens - 1):
+        for step in range(max_new_tokens - 1):
             if bool(is_done.all()):
                 break
+            started = threads.before(step)
             mask = torch.cat([mask, mask.new_ones(len(group), 1)], dim=1)
             positions = positions[:, -1:] + 1
-            hidden = body(input_ids=tokens[-1][:, None], attention_mask=mask, position_ids=positions,
-                          past_key_values=cache, use_cache=True).last_hidden_state
-            steps.append(hidden)
-            tokens.append(lm_head(hidden[:, -1]).argmax(-1))
+            logits = runner(input_ids=tokens[-1][:, None], attention_mask=mask, position_ids=positions,
+                            past_key_values=cache, use_cache=True).logits
+            tokens.append(logits[:, -1].argmax(-1))
+            threads.after(step, started)
             is_done |= torch.tensor([int(t) in eos for t in tokens[-1]])
             bar.update(len(group))
         bar.update(len(group) * (max_new_tokens - len(tokens) + 1))
         generated = torch.stack(tokens, dim=1).cpu()
-        hidden = torch.cat(steps, dim=1).float().cpu()
         for row, i in enumerate(group):
             out = generated[row].tolist()
             for j, token in enumerate(out):
@@ -172,11 +204,39 @@ def answer(model, tokenizer, prompts: list[list[int]], *, max_new_tokens: int, b
                     out = out[:j + 1]
                     break
             answers[i] = out
-            # the features of the prompt and of every answer token but the last (which was never run)
-            feats = hidden[row, width - len(prompts[i]):width + len(out) - 1]
-            features[i] = feats
     bar.close()
-    return answers, features
+    return answers
+
+
+@torch.inference_mode()
+def features_of(model, sequences: list[list[int]], *, batch_tokens: int, device: torch.device,
+                progress: bool = True) -> list[torch.Tensor]:
+    """The float32 feature of every position of each sequence — the top layer's output after the final norm,
+    as the exact client computes it — by one forward pass over batches of similar lengths (right-padded:
+    a causal model's earlier positions never see the padding)."""
+    from tqdm import tqdm
+
+    body = model.to(device, torch.float32).model
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
+    features: list[torch.Tensor | None] = [None] * len(sequences)
+    bar = tqdm(total=sum(map(len, sequences)), desc="features", unit="tok", disable=not progress)
+    b = 0
+    while b < len(order):
+        width = len(sequences[order[b]])
+        group = [order[b]]
+        while b + len(group) < len(order) and len(sequences[order[b + len(group)]]) * (len(group) + 1) <= batch_tokens:
+            group.append(order[b + len(group)])
+        b += len(group)
+        width = max(len(sequences[i]) for i in group)
+        ids = torch.zeros((len(group), width), dtype=torch.long)
+        for row, i in enumerate(group):
+            ids[row, :len(sequences[i])] = torch.tensor(sequences[i])
+        hidden = body(input_ids=ids.to(device)).last_hidden_state.float().cpu()
+        for row, i in enumerate(group):
+            features[i] = hidden[row, :len(sequences[i])].clone()
+        bar.update(sum(len(sequences[i]) for i in group))
+    bar.close()
+    return features
 
 
 def data_key(description: str, prompts: list[str], settings: TrainSettings, dtype: torch.dtype) -> str:
@@ -186,7 +246,8 @@ def data_key(description: str, prompts: list[str], settings: TrainSettings, dtyp
 
 
 def training_data(model, tokenizer, prompts: list[str], settings: TrainSettings, *, description: str,
-                  cache_dir: Path | None, device: torch.device, progress: bool = True) -> TrainingData:
+                  cache_dir: Path | None, device: torch.device, threads: ThreadChoice | None = None,
+                  progress: bool = True) -> TrainingData:
     """Prompts and the model's answers with their features; read from `cache_dir` when made before."""
     from safetensors.torch import load_file, save_file
 
@@ -202,11 +263,12 @@ def training_data(model, tokenizer, prompts: list[str], settings: TrainSettings,
             log.info("training data from %s", path)
             return TrainingData(list(ids), list(features), starts, eos)
     prompt_ids = [chat_ids(tokenizer, p) for p in prompts]
-    answers, features = answer(model, tokenizer, prompt_ids, max_new_tokens=settings.max_new_tokens,
-                               batch=settings.generate_batch, dtype=dtype, device=device, progress=progress)
-    # the answer's last token was never run: the sequence stops before it
-    data = TrainingData([torch.tensor(p + a[:-1]) for p, a in zip(prompt_ids, answers)], features,
-                        [len(p) for p in prompt_ids], eos)
+    answers = answer(model, tokenizer, prompt_ids, max_new_tokens=settings.max_new_tokens,
+                     batch=settings.generate_batch, dtype=dtype, device=device, threads=threads, progress=progress)
+    # the answer's last token is only ever a target: the sequence stops before it
+    sequences = [p + a[:-1] for p, a in zip(prompt_ids, answers)]
+    features = features_of(model, sequences, batch_tokens=settings.batch_tokens, device=device, progress=progress)
+    data = TrainingData([torch.tensor(x) for x in sequences], features, [len(p) for p in prompt_ids], eos)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
@@ -225,16 +287,15 @@ def generate_dtype(name: str, model, device: torch.device) -> torch.dtype:
 
 
 @torch.inference_mode()
-def pick_threads(model, device: torch.device, batch: int) -> int:
-    """The faster of one thread and all of them for this model's forward pass on this CPU. On a machine whose
-    cores other processes keep busy, every parallel region of a multi-threaded op waits for a thread that is
-    not running: one thread is then several times faster; on a quiet machine all threads are."""
+def pick_threads(model, device: torch.device, batch: int, most: int) -> int:
+    """The faster of one thread and `most` for this model's forward pass on this CPU (see `ThreadChoice`),
+    for the training that follows."""
     if device.type != "cpu":
         return torch.get_num_threads()
     body = model.to(device, torch.float32).model
     ids = torch.randint(0, model.config.vocab_size, (batch, 8))
     timings = {}
-    for threads in sorted({1, torch.get_num_threads()}):
+    for threads in sorted({1, most}):
         torch.set_num_threads(threads)
         body(input_ids=ids)
         runs = []
@@ -445,12 +506,14 @@ def train_drafter(model: str | Path, output: str | Path, settings: TrainSettings
     else:
         target, tokenizer = loaded
     config = target.config
-    threads = settings.threads or pick_threads(target, device, settings.generate_batch)
-    torch.set_num_threads(threads)
-    log.info("%d CPU thread(s)", threads)
+    most = torch.get_num_threads()
     prompts = chat_prompts(settings.prompts + settings.held_out, seed=settings.seed)
     data = training_data(target, tokenizer, prompts, settings, description=str(model),
-                         cache_dir=None if cache_dir is None else Path(cache_dir), device=device, progress=progress)
+                         cache_dir=None if cache_dir is None else Path(cache_dir), device=device,
+                         threads=ThreadChoice(device, most, fixed=settings.threads), progress=progress)
+    threads = settings.threads or pick_threads(target, device, settings.generate_batch, most)
+    torch.set_num_threads(threads)
+    log.info("training on %d CPU thread(s)", threads)
     target.to(device, torch.float32)
     data_seconds = time.perf_counter() - started
     train_data, held = data.split(min(settings.held_out, max(len(data.ids) - 1, 0)))
@@ -478,6 +541,13 @@ def run(args: argparse.Namespace) -> int:
     """`infemeral-client train-drafter`: train with the flags of `add_arguments`, print what was measured."""
     if args.output is None:
         raise ValueError("train-drafter needs --output DIR")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}, but torch sees no CUDA device here (use --device cpu)")
+    for flag in ("prompts", "max_new_tokens"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, not {getattr(args, flag)}")
+    if args.minutes <= 0:
+        raise ValueError(f"--minutes must be above 0, not {args.minutes} (--max-steps can stop it sooner)")
     logging.getLogger(__name__).setLevel(logging.INFO)
     settings = TrainSettings(prompts=args.prompts, max_new_tokens=args.max_new_tokens, draft_vocab=args.draft_vocab,
                              minutes=args.minutes, max_steps=args.max_steps, device=args.device, seed=args.seed,
