@@ -43,7 +43,8 @@ def test_help_explains_commands():
         assert command in out
     gen = run_cli("generate", "--help").stdout
     assert "INFEMERAL_TEMPERATURE" in gen and "--max-new-tokens" in gen
-    assert "--speculate {ngram,draft,off}" in gen and "--max-draft" in gen and "--draft-model" in gen
+    assert "--speculate {auto,ngram,draft,head,off}" in gen and "--max-draft" in gen and "--draft-model" in gen
+    assert "--draft-head" in gen and "train-drafter" in out
     assert "--no-answer-index" in gen
 
 
@@ -87,6 +88,26 @@ def test_bad_speculation_flags_are_refused(cli_env, tmp_path):
     assert proc.returncode == 2 and "invalid choice" in proc.stderr
     proc = run_cli("generate", "hi", "--speculate", "draft", "--draft-model", tmp_path / "nowhere", env=cli_env)
     assert proc.returncode == 2 and "draft model not found" in proc.stderr
+    proc = run_cli("generate", "hi", "--speculate", "head", env=cli_env)
+    assert proc.returncode == 2 and "--draft-head" in proc.stderr and "train-drafter" in proc.stderr
+    proc = run_cli("generate", "hi", "--speculate", "head", "--draft-head", tmp_path / "nowhere", env=cli_env)
+    assert proc.returncode == 2 and "draft head not found" in proc.stderr
+    proc = run_cli("train-drafter", "--minutes", 0, "--output", tmp_path / "head", env=cli_env)
+    assert proc.returncode == 2 and "--minutes must be above 0" in proc.stderr
+
+
+def test_auto_finds_the_draft_head_train_drafter_wrote_beside_the_bundle(tmp_path):
+    from infemeral.cli.commands import DRAFT_HEAD_DIR, draft_head_path
+    from infemeral.client.settings import ClientSettings
+
+    bundle = tmp_path / "client"
+    assert draft_head_path(ClientSettings(client_bundle=bundle)) is None  # nothing there: lookup alone
+    (tmp_path / DRAFT_HEAD_DIR).mkdir()
+    (tmp_path / DRAFT_HEAD_DIR / "config.json").write_text("{}")
+    assert draft_head_path(ClientSettings(client_bundle=bundle)) == tmp_path / DRAFT_HEAD_DIR
+    assert draft_head_path(ClientSettings(client_bundle=bundle, speculate="ngram")) is None
+    given = tmp_path / "mine"
+    assert draft_head_path(ClientSettings(client_bundle=bundle, speculate="head", draft_head=given)) == given
 
 
 def test_info_reports_matching_bundle(cli_env):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import re
 import sys
 from pathlib import Path
@@ -16,6 +17,9 @@ from infemeral.cli.flags import settings_from_args
 from infemeral.client.settings import ClientSettings
 from infemeral.endpoint.settings import ServeSettings
 from infemeral.errors import InfemeralError, UsageError
+
+log = logging.getLogger(__name__)
+DRAFT_HEAD_DIR = "draft-head"  # beside a prepared client bundle: where train-drafter writes and auto looks
 
 
 def session_path(settings: ClientSettings, name: str) -> Path:
@@ -43,6 +47,17 @@ def prepare(args) -> int:
     return 0
 
 
+def draft_head_path(settings: ClientSettings) -> Path | None:
+    """The draft head to load: --draft-head, or under --speculate auto the one `train-drafter` writes beside the
+    client bundle, if it is there."""
+    if settings.speculate not in ("head", "auto"):
+        return None
+    if settings.draft_head is not None:
+        return settings.draft_head
+    beside = settings.client_bundle.parent / DRAFT_HEAD_DIR
+    return beside if settings.speculate == "auto" and (beside / "config.json").exists() else None
+
+
 def open_client(settings: ClientSettings):
     from infemeral.client.client import Client
     from infemeral.speculation.answer_index import AnswerIndex
@@ -50,6 +65,10 @@ def open_client(settings: ClientSettings):
     if settings.speculate == "draft" and settings.draft_model is None:
         raise InfemeralError("--speculate draft needs --draft-model PATH (a small local model with the served "
                              "model's tokenizer)")
+    head = draft_head_path(settings)
+    if settings.speculate == "head" and head is None:
+        raise InfemeralError("--speculate head needs --draft-head PATH (`infemeral-client train-drafter` trains one "
+                             "for your model)")
     client = Client(settings.server, settings.client_bundle, timeout=settings.timeout, tls_ca=settings.tls_ca,
                     tls_client_cert=settings.tls_client_cert, tls_client_key=settings.tls_client_key,
                     tls_server_name=settings.tls_server_name, api_key=settings.api_key,
@@ -59,14 +78,41 @@ def open_client(settings: ClientSettings):
         if settings.speculate != "off" and settings.answer_index:
             client.answer_index = AnswerIndex.for_tokenizer(settings.answer_index_dir, client.tokenizer,
                                                             max_tokens=settings.answer_index_tokens)
-        if settings.speculate == "draft":
+        if settings.speculate == "draft" or (settings.speculate == "auto" and settings.draft_model is not None):
             from infemeral.speculation.draft_model import DraftModel
 
             client.draft_model = DraftModel.load(settings.draft_model, client.tokenizer)
+        if head is not None:
+            client.draft_head = _load_head(head, client, is_found=settings.draft_head is None)
     except BaseException:
         client.close()
         raise
     return client
+
+
+def _load_head(path: Path, client, *, is_found: bool):
+    """The draft head at `path` for this client's model. One that was only found (not asked for) and does not fit
+    is left out with a warning: --speculate auto then drafts without it."""
+    from infemeral.errors import FailedPrecondition
+    from infemeral.speculation.draft_head import DraftHead
+
+    try:
+        return DraftHead.load(path, client.model)
+    except FailedPrecondition as e:
+        if not is_found:
+            raise
+        log.warning("not drafting with %s: %s", path, e)
+        return None
+
+
+def train_drafter(args) -> int:
+    """Train a draft head; by default it goes beside the client bundle (INFEMERAL_CLIENT_BUNDLE), where
+    `--speculate auto` finds it."""
+    from infemeral.speculation.train_head import run
+
+    if args.output is None:
+        args.output = ClientSettings().client_bundle.parent / DRAFT_HEAD_DIR
+    return run(args)
 
 
 def _report(result, verbose: bool) -> None:

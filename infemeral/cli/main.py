@@ -16,12 +16,14 @@ from infemeral.cli.flags import add_settings_flags
 from infemeral.client.settings import ClientSettings
 from infemeral.endpoint.settings import ServeSettings
 from infemeral.errors import InfemeralError
+from infemeral.speculation.train_settings import add_arguments as add_head_training_arguments
 
 CONNECTION = ("server", "client_bundle", "timeout", "tls_ca", "tls_client_cert", "tls_client_key", "tls_server_name",
               "api_key")
 LOCAL_COMPUTE = ("client_dtype", "client_device", "client_quant")
 SAMPLING = ("max_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "seed", "stop")
-SPECULATION = ("speculate", "max_draft", "draft_model", "answer_index", "answer_index_dir", "answer_index_tokens")
+SPECULATION = ("speculate", "max_draft", "draft_model", "draft_head", "answer_index", "answer_index_dir",
+               "answer_index_tokens")
 
 # chat and generate sample where the model's generation config does not (see sampling.CHAT_SAMPLING)
 ANSWER_SAMPLING = ("Without --temperature, answers are sampled as the model's generation config says, or where it "
@@ -37,6 +39,7 @@ first steps:
   infemeral-client generate "What is the capital of France?"
   infemeral-client chat --session work           # resumable chat
   infemeral-client audit "My SSN is 078-05-1120"  # what could the pod learn from this prompt?
+  infemeral-client train-drafter                 # a draft head for the model: faster open chat over a WAN
   infemeral-client prepare --server-quant int4   # served layers in int4 (~0.28x of bf16)
   infemeral-client eval server-quant             # what that costs in perplexity and agreement
   infemeral-client serve                         # OpenAI-compatible API on http://127.0.0.1:8080/v1
@@ -115,10 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
                                    "Enter; /help lists the commands, /exit or Ctrl-D quits, /reset starts over. "
                                    "End a line with \\ (or wrap the message in \"\"\") for several lines. "
                                    "Ctrl-C stops an answer and keeps the conversation as it was. With --session "
-                                   "NAME the conversation is saved after every turn and resumed next time. A turn "
-                                   "that fails (network, server) is reported and leaves the conversation as it "
-                                   "was. Sampling defaults come from the model's generation config when it has "
-                                   "them; flags and INFEMERAL_* variables override them.")
+                                   "NAME the conversation is saved after every turn and resumed next time; without "
+                                   "it, it is deleted on the server when the chat ends. A turn that fails (network, "
+                                   "server) is reported and leaves the conversation as it was. Answers are sampled "
+                                   "(see below); --greedy decodes greedily.")
     c.add_argument("--session", help="name of a saved session to resume or create")
     c.add_argument("--system", help="system prompt for a new session")
     add_settings_flags(c, ClientSettings, ("sessions_dir", "chat_history"))
@@ -194,6 +197,15 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="activations of the served layers (default: float32)")
 
+    t = sub.add_parser("train-drafter", help="train a draft head for a model (faster open chat over a WAN)",
+                       description="Train a draft head (EAGLE-style: one decoder layer over the model's own top-layer "
+                                   "features) by self-distillation: the model answers a set of chat prompts here, "
+                                   "and the head learns to predict its next features and tokens. Runs on this "
+                                   "machine (CUDA if there is one); writes the EAGLE layout (config.json, "
+                                   "model.safetensors), by default beside the default bundles, where "
+                                   "--speculate auto finds it.")
+    add_head_training_arguments(t)
+
     d = sub.add_parser("delete", help="delete a saved session here and on the server",
                        description="Delete a session saved by `chat --session NAME`: its file on this machine and "
                                    "its encrypted KV cache on the server (a chat without --session deletes its own "
@@ -205,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 COMMANDS = {"prepare": commands.prepare, "generate": commands.generate, "chat": commands.chat, "info": commands.info,
             "audit": commands.audit, "delete": commands.delete, "forget-answers": commands.forget_answers,
-            "serve": commands.serve, "eval": commands.evaluate}
+            "serve": commands.serve, "eval": commands.evaluate, "train-drafter": commands.train_drafter}
 
 
 def _server_address(args: argparse.Namespace) -> str:
