@@ -39,7 +39,8 @@ def test_plaintext_off_loopback_is_refused_naming_the_flags(capsys, tmp_path):
     code = server_main(["--bundle", str(tmp_path), "--listen", "0.0.0.0:0", "--store", str(tmp_path / "store")])
     text = capsys.readouterr().err
     assert code == 2 and "refusing plaintext gRPC on 0.0.0.0:0" in text
-    assert "--tls-cert" in text and "--allow-plaintext" in text and text.count("\n") == 1, text
+    assert "--tls-cert" in text and "--listen 127.0.0.1:0" in text and "--allow-plaintext" in text
+    assert text.count("\n") == 1, text
 
 
 def test_an_empty_prompt_is_refused(capsys, monkeypatch):
@@ -75,3 +76,10 @@ def test_ctrl_c_leaves_the_shell_prompt_on_a_line_of_its_own(capsys, monkeypatch
     code = main(["generate", "hi"])
     out = capsys.readouterr()
     assert code == 130 and out.out == "Paris is the capital" and out.err == "\n"
+
+
+def test_a_bad_server_flag_is_one_line_too(capsys, tmp_path):
+    from infemeral.server.main import main as server_main
+
+    assert server_main(["--bundle", str(tmp_path), "--max-context", "0"]) == 2
+    assert capsys.readouterr().err == ("infemeral-server: --max-context must be greater than or equal to 1 (got 0)\n")

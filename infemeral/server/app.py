@@ -78,9 +78,10 @@ class Server:
         listen = ListenAddress.parse(s.listen)
         credentials = server_credentials(s.tls_cert, s.tls_key, s.tls_client_ca)
         if credentials is None and not is_loopback(listen.host) and not s.allow_plaintext:
-            raise ValueError(f"refusing plaintext gRPC on {s.listen}: give --tls-cert and --tls-key, listen on "
-                             "127.0.0.1, or pass --allow-plaintext behind a TLS proxy you control "
-                             "(env INFEMERAL_TLS_CERT, INFEMERAL_TLS_KEY, INFEMERAL_ALLOW_PLAINTEXT)")
+            raise ValueError(f"refusing plaintext gRPC on {s.listen}: give --tls-cert and --tls-key, or "
+                             f"--listen 127.0.0.1:{listen.port} (loopback needs no TLS), or --allow-plaintext behind "
+                             "a TLS proxy you control (env INFEMERAL_TLS_CERT, INFEMERAL_TLS_KEY, INFEMERAL_LISTEN, "
+                             "INFEMERAL_ALLOW_PLAINTEXT)")
         keys = read_api_keys(s.api_keys, s.api_keys_file)
         bundle = ServerBundle.open(s.bundle, verify=False)  # manifest and config only: the message size limit
         engine_config = s.engine_config(len(set(keys)))
