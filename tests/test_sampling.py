@@ -143,3 +143,18 @@ def test_a_tiny_temperature_samples_the_top_token_instead_of_overflowing():
 def test_extreme_seeds_that_torch_accepts_are_valid():
     for seed in (2**64 - 1, -2**63, 0):
         Sampler(SamplingParams(temperature=1.0, seed=seed))(torch.zeros(4), [])
+
+
+def test_chat_defaults_follow_the_models_generation_config_and_fill_in_where_it_does_not_sample():
+    from transformers import GenerationConfig
+
+    from infemeral.client.sampling import CHAT_SAMPLING, chat_defaults
+
+    # A config that samples is taken as its authors wrote it: no penalty of ours added.
+    assert chat_defaults(GenerationConfig(do_sample=True, temperature=0.6, top_p=0.95)) == {
+        "temperature": 0.6, "top_p": 0.95}
+    # One that does not (SmolLM2's sets nothing) gets the chat defaults, under what it does set.
+    assert chat_defaults(GenerationConfig()) == CHAT_SAMPLING
+    assert chat_defaults(GenerationConfig(repetition_penalty=1.05)) == {**CHAT_SAMPLING, "repetition_penalty": 1.05}
+    # Greedy asked for: the config alone, nothing of ours.
+    assert chat_defaults(GenerationConfig(), is_greedy=True) == {}
