@@ -31,6 +31,7 @@ laptop drafts (`HeadDrafter`).
 from __future__ import annotations
 
 import argparse
+import copy
 import hashlib
 import json
 import logging
@@ -48,7 +49,7 @@ from infemeral.speculation.head_prompts import chat_prompts
 from infemeral.speculation.train_settings import DEFAULT_CACHE, TrainSettings
 
 log = logging.getLogger(__name__)
-DATA_FORMAT = 3
+DATA_FORMAT = 4
 
 
 @dataclass
@@ -164,7 +165,9 @@ def answer(model, tokenizer, prompts: list[list[int]], *, max_new_tokens: int, b
 
     eos = eos_ids_of(model, tokenizer)
     threads = threads or ThreadChoice(device, fixed=torch.get_num_threads())
-    runner = model.to(device, dtype)
+    runner = model.to(device)
+    if next(model.parameters()).dtype != dtype:  # a copy: the features are read from the model's own weights
+        runner = copy.deepcopy(model).to(dtype)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     answers: list[list[int]] = [[] for _ in prompts]
     bar = tqdm(total=len(prompts) * max_new_tokens, desc="answering", unit="tok", disable=not progress)
