@@ -1,14 +1,18 @@
-"""Commands load only what they need: `--help`, `info` and `delete` answer without torch (the bench's `startup` section
-times them)."""
+"""Commands load only what they need: `--help`, `info` and `delete` answer without torch, and a server checks its
+bundle's hashes while the layers load (the bench's `startup` section times them)."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
-from conftest import StoredSession
+import pytest
+
+from conftest import StoredSession, start_server
 from infemeral.client.sampling import SamplingParams
+from infemeral.errors import FailedPrecondition
 
 HEAVY = ("torch", "transformers")
 
@@ -42,3 +46,20 @@ def test_info_and_delete_answer_without_the_model(server, bundles, client, tmp_p
     assert modules_loaded_by("info", env=env) == set()
     assert modules_loaded_by("delete", "--session", "short", env=env) == set()
     assert not stored.exists() and not (tmp_path / "sessions" / "short.session").exists()
+
+
+def test_a_server_refuses_a_bundle_file_that_does_not_match_its_manifest(bundles, tmp_path):
+    """The hashes are checked while the layers load; a damaged file is still named, whether or not it loads."""
+    for damage in (b"not a safetensors file", None):
+        bundle = tmp_path / f"server-{'garbage' if damage else 'flipped'}"
+        bundle.mkdir()
+        for path in bundles.server_dir.iterdir():
+            (bundle / path.name).symlink_to(path)
+        layer = bundle / "layer-00010.safetensors"
+        data = bytearray(layer.read_bytes())
+        layer.unlink()
+        if damage is None:
+            data[-1] ^= 1  # a weight changed, the file still loads
+        layer.write_bytes(damage or bytes(data))
+        with pytest.raises(FailedPrecondition, match="layer-00010.safetensors does not match its manifest"):
+            start_server(SimpleNamespace(server_dir=bundle), tmp_path / "store")

@@ -15,6 +15,7 @@ import logging
 import math
 import signal
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -95,9 +96,11 @@ class Server:
         if credentials is None and not is_loopback(listen.host):
             log.warning("serving plaintext gRPC on %s: the session key and hidden states cross the network "
                         "in the clear unless a TLS proxy terminates in front of this server", s.listen)
-        # The slow part, now that nothing the environment refuses can stop the server any more.
-        if s.verify_bundle:
-            bundle.verify()
+        # The slow part, now that nothing the environment refuses can stop the server any more. The files' hashes
+        # are checked on a thread while the layers load (both mostly read the same files), and before serving.
+        verifying = ThreadPoolExecutor(1, thread_name_prefix="infemeral-verify")
+        verified = verifying.submit(bundle.verify) if s.verify_bundle else None
+        verifying.shutdown(wait=False)  # its one task still runs
         runner = None
         if ranks > 1:
             self.tensor_parallel = tensor_parallel.TensorParallel.start(
@@ -105,8 +108,12 @@ class Server:
                 log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()))
             self.tensor_parallel.on_failure(self._fail)
             runner = self.tensor_parallel.runner
-        self.engine = Engine(bundle, open_store(s.store, s.session_ttl_seconds), engine_config, metrics=self.metrics,
-                             runner=runner)
+        try:
+            self.engine = Engine(bundle, open_store(s.store, s.session_ttl_seconds), engine_config,
+                                 metrics=self.metrics, runner=runner)
+        finally:
+            if verified is not None:
+                verified.result()  # also when the load failed: a file that does not match explains it best
         self.service = InfemeralService(self.engine, service_limits(s, len(set(keys))), self.max_message_bytes)
         self.metrics.pool_total.set(self.engine.pool.num_pages)
         self.metrics.pool_used.set_function(lambda: self.engine.pool.num_pages - self.engine.pool.free_pages)
