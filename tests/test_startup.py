@@ -1,5 +1,5 @@
-"""Commands load only what they need: `--help`, `info` and `delete` answer without torch, and a server checks its
-bundle's hashes while the layers load (the bench's `startup` section times them)."""
+"""Commands load only what they need: `--help` (the server's too), `info` and `delete` answer without torch, and a
+server checks its bundle's hashes while the layers load (the bench's `startup` section times them)."""
 
 from __future__ import annotations
 
@@ -17,11 +17,12 @@ from infemeral.errors import FailedPrecondition
 HEAVY = ("torch", "transformers")
 
 
-def modules_loaded_by(*argv: str, env: dict | None = None) -> set[str]:
-    """The heavy modules in sys.modules after `infemeral-client ARGV` ran (and succeeded) in a fresh interpreter."""
-    code = ("import sys\nfrom infemeral.cli.main import main\ntry:\n    rc = main(sys.argv[1:])\n"
+def modules_loaded_by(*argv: str, env: dict | None = None, command: str = "infemeral.cli.main") -> set[str]:
+    """The heavy modules in sys.modules after `infemeral-client ARGV` (or another `command` module's `main`) ran,
+    and succeeded, in a fresh interpreter."""
+    code = ("import sys\nfrom %s import main\ntry:\n    rc = main(sys.argv[1:])\n"
             "except SystemExit as e:\n    rc = e.code\nprint('loaded:', *(m for m in %r if m in sys.modules))\n"
-            "sys.exit(rc)" % (HEAVY,))
+            "sys.exit(rc)" % (command, HEAVY))
     proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     last = proc.stdout.splitlines()[-1]
@@ -33,6 +34,7 @@ def test_help_loads_neither_torch_nor_transformers():
     assert modules_loaded_by("--help") == set()
     assert modules_loaded_by("generate", "--help") == set()
     assert modules_loaded_by("serve", "--help") == set()
+    assert modules_loaded_by("--help", command="infemeral.server.main") == set()
 
 
 def test_info_and_delete_answer_without_the_model(server, bundles, client, tmp_path):

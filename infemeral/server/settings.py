@@ -7,13 +7,15 @@ parts they need (`engine_config`, `app.service_limits`).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from infemeral.kvcache.window import WindowPolicy
 from infemeral.paths import DATA_HOME
-from infemeral.server.config import EngineConfig
+
+if TYPE_CHECKING:  # they import torch: `infemeral-server --help` reads these settings without it
+    from infemeral.server.config import EngineConfig
 
 
 class ServerSettings(BaseSettings):
@@ -102,6 +104,9 @@ class ServerSettings(BaseSettings):
 
     def engine_config(self, num_api_keys: int = 0) -> EngineConfig:
         """The engine's part of these settings, as one frozen `EngineConfig`."""
+        from infemeral.kvcache.window import WindowPolicy
+        from infemeral.server.config import EngineConfig
+
         sessions_per_key, share_per_key = self.limits_per_key(num_api_keys)
         return EngineConfig(device=self.device, dtype=self.dtype, max_step_tokens=self.max_step_tokens,
                             max_sessions=self.max_sessions,
