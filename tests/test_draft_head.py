@@ -289,7 +289,8 @@ def test_a_head_drafts_in_the_client_halfs_reduced_modes(tiny, mode):
     drafter = head.fork()
     drafter.observe(ids, features_of(model, ids).to(client.dtype))
     assert len(drafter.propose(ids + [5], 4)) == 4
-    assert head.memory_bytes() > 0
+    assert head.memory_bytes() > 0 and head.vocab.size == VOCAB // 2
+    assert DraftHead(HeadModel(layer_config(tiny_config())), client).vocab.size == VOCAB  # over the half's own head
 
 
 # -- training ------------------------------------------------------------------------------------------

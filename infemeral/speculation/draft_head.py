@@ -282,21 +282,18 @@ class DraftVocab:
     """The LM head a head's feature is read by: the client's own (full vocabulary), or only the rows of a
     reduced draft vocabulary, whose argmax is mapped back to the target's ids."""
 
-    def __init__(self, table, target_ids: torch.Tensor | None = None):
+    def __init__(self, table, target_ids: torch.Tensor | None = None, *, vocab_size: int | None = None):
         self.table = table
         self.target_ids = None if target_ids is None else target_ids.long().cpu()
         self._ids = None if target_ids is None else self.target_ids.tolist()
+        self.size = vocab_size if target_ids is None else len(self.target_ids)  # tokens drafts are read over
 
     @classmethod
     def of(cls, model, target_ids: torch.Tensor | None) -> "DraftVocab":
         """Over `model`'s LM head, restricted to `target_ids` (None: the whole vocabulary)."""
         if target_ids is None:
-            return cls(model.head)
+            return cls(model.head, vocab_size=model.embed.shape[0])  # a packed head keeps no shape of its own
         return cls(rows_of(model.head, target_ids.to(model.device), model.dtype, model.device), target_ids)
-
-    @property
-    def size(self) -> int:
-        return self.table.shape[0] if self.target_ids is None else len(self.target_ids)
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.table.project(hidden)
