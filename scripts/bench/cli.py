@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import tempfile
@@ -37,6 +38,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         help="default: the packaged SmolLM2-135M-Instruct; random-8b: a random-weight Llama of a "
                              "real 8B shape built in memory (GPU); random-tiny: that code path at toy size")
     parser.add_argument("--only", help=f"comma-separated sections: {','.join(ORDER)}")
+    parser.add_argument("--spec-workloads", default="",
+                        help="comma-separated workloads of the speculation section (copy,document,code,chat; "
+                             "default: all)")
     parser.add_argument("--out", type=Path, default=None,
                         help="output directory for results.json, REPORT.md and plots (default docs/benchmarks for a "
                              "run of every section; a run with --only writes files only when --out is given)")
@@ -44,6 +48,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args.sections = [s for s in ORDER if s in set(args.only.split(","))] if args.only else list(ORDER)
     if args.only and not set(args.only.split(",")) <= set(ORDER):
         parser.error(f"--only takes {','.join(ORDER)}")
+    from bench.workloads import WORKLOADS
+
+    unknown = {w for w in args.spec_workloads.split(",") if w} - set(WORKLOADS)
+    if unknown:
+        parser.error(f"--spec-workloads takes {','.join(WORKLOADS)}, not {','.join(sorted(unknown))}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda but torch sees no CUDA device")
     if args.model == "random-8b" and args.device != "cuda":
@@ -74,8 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     log(f"machine: {machine['cpu']} ({machine['cores']} cores), torch {torch.__version__}, device {args.device}")
     start = CpuSnapshot.take()
     with tempfile.TemporaryDirectory(prefix="infemeral-bench-") as tmp:
-        wb = Workbench(model=args.model, device=args.device, dtype=args.dtype, params=QUICK if args.quick else FULL,
-                       tmp=Path(tmp), quick=args.quick)
+        params = dataclasses.replace(QUICK if args.quick else FULL,
+                                     spec_workloads=tuple(w for w in args.spec_workloads.split(",") if w))
+        wb = Workbench(model=args.model, device=args.device, dtype=args.dtype, params=params, tmp=Path(tmp),
+                       quick=args.quick)
         try:
             results = run_sections(wb, args.sections)
         finally:

@@ -68,6 +68,7 @@ class Params:
     profile_steps: int
     spec_tokens: int = 48
     spec_prompts: int = 5
+    spec_workloads: tuple[str, ...] = ()  # workloads of the speculation section (empty: all)
 
 
 FULL = Params(decode_tokens=64, decode_reps=3, contexts=[128, 256, 512, 1024, 2048, 4096], context_steps=32,

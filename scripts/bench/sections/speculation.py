@@ -7,16 +7,22 @@ runs in a fresh session with speculation off and with prompt-lookup drafts (the 
 which goes first, greedy, up to `spec_tokens` new tokens; tokens/s = (tokens − 1) / time from the first
 to the last token. Open chat also runs two other draft sources: the answer index (this client's
 earlier answers — warmed with the answers to ten other questions, and frozen, so no prompt drafts from
-its own answer) and a draft model (the packaged SmolLM2 drafting for itself: as good a draft model as
-there can be, and as costly as the served model — the worst case for its cost).
+its own answer), a draft model (the packaged SmolLM2 drafting for itself: as good a draft model as
+there can be, and as costly as the served model — the worst case for its cost), a draft head (EAGLE-style,
+trained once by `train-drafter`'s defaults on its own chat prompts and cached under `.bundles/`), and
+`auto` (every source at once, the turn loop choosing step by step). The laptop's milliseconds per draft
+token are timed around each costly source's proposals. Separately, at the Llama-3-8B shape (random
+weights), the laptop's cost per draft token of a head with its LM head, in bf16 and int8, over the full
+vocabulary and a reduced one.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bench.harness import at_least, fmt, log, mean, ratio
+from bench.harness import at_least, fmt, log, mean, median, now, ratio
 from bench.sections import Result
+from bench.systems import ROOT
 from bench.workloads import EARLIER_CHAT_PROMPTS, WORKLOADS
 
 NAME = "speculation"
@@ -25,7 +31,13 @@ RTTS_MS = (0, 20, 80)
 TARGET_RTT = 80
 SPEEDUP_TARGETS = {"copy": 3.0, "document": 1.8, "code": 1.8}  # mean over the prompts, at TARGET_RTT
 NEVER_BELOW = 0.95  # every workload, every RTT
-VARIANTS = {"chat": ("answers", "draft")}  # extra draft sources measured on a workload
+VARIANTS = {"chat": ("answers", "draft", "head", "auto")}  # extra draft sources measured on a workload
+SPECULATE = {"answers": "ngram", "draft": "draft", "head": "head", "auto": "auto"}  # each variant's setting
+HEAD_TARGET = 1.5  # chat with the draft head, at TARGET_RTT
+HEAD_DIR = ROOT / ".bundles" / "draft-head-default"  # trained once (train-drafter's defaults), then reused
+HEAD_DATA = ROOT / ".bundles" / "train-drafter-cache"
+REDUCED_VOCAB = 32768  # a reduced draft vocabulary at the 8B shape (EAGLE-3's size)
+COST_DRAFTS = 4        # drafts per proposal when timing the 8B-shaped head
 
 
 @dataclass
@@ -33,7 +45,7 @@ class SpecRow:
     workload: str
     prompt: int
     rtt_ms: int
-    mode: str                   # "off", "ngram" (the default), "answers" (ngram + answer index), "draft"
+    mode: str                   # "off", "ngram", "answers" (ngram + answer index), "draft", "head", "auto"
     generated_tokens: int
     tokens_per_second: float
     time_to_first_token_ms: float
@@ -42,6 +54,7 @@ class SpecRow:
     accepted_drafts: int
     wall_seconds: float
     identical: bool             # greedy tokens equal to speculation off for the same prompt
+    draft_ms_per_token: float = float("nan")  # the laptop's time proposing, per drafted token (costly sources)
 
     @property
     def tokens_per_round_trip(self) -> float:
@@ -55,19 +68,31 @@ def run(wb) -> Result:
     from infemeral.speculation.answer_index import AnswerIndex
     from infemeral.speculation.draft_model import DraftModel
 
+    from infemeral.speculation.draft_head import DraftHead
+
     n = wb.params.spec_tokens
+    head_dir = trained_head(wb)
     split = wb.split()
-    workloads = {w: prompts[:wb.params.spec_prompts] for w, prompts in WORKLOADS.items()}
+    chosen = wb.params.spec_workloads or tuple(WORKLOADS)
+    workloads = {w: prompts[:wb.params.spec_prompts] for w, prompts in WORKLOADS.items() if w in chosen}
     answers = AnswerIndex()
     drafter = DraftModel(wb.reference)
+    clocks = {v: DraftClock() for v in ("draft", "head", "auto")}
     rows: list[SpecRow] = []
     for rtt in RTTS_MS:
         with DelayProxy(split.address, rtt_ms=rtt) as proxy:
             clients = {"plain": Client(proxy.address, wb.client_dir, timeout=600, client_device="cpu"),
                        "answers": Client(proxy.address, wb.client_dir, timeout=600, answer_index=answers,
                                          client_device="cpu"),
-                       "draft": Client(proxy.address, wb.client_dir, timeout=600, draft_model=drafter,
-                                       client_device="cpu")}
+                       "draft": Client(proxy.address, wb.client_dir, timeout=600,
+                                       draft_model=TimedSource(drafter, clocks["draft"]), client_device="cpu"),
+                       "auto": Client(proxy.address, wb.client_dir, timeout=600, answer_index=answers,
+                                      draft_model=TimedSource(drafter, clocks["auto"]), client_device="cpu")}
+            if head_dir is not None:
+                clients["head"] = Client(proxy.address, wb.client_dir, timeout=600, client_device="cpu")
+                for name in ("head", "auto"):
+                    clients[name].draft_head = TimedSource(DraftHead.load(head_dir, clients[name].model),
+                                                           clocks[name])
             try:
                 if rtt == RTTS_MS[0]:
                     warm_answer_index(clients["plain"], answers, n)
@@ -76,11 +101,13 @@ def run(wb) -> Result:
                 log(f"  RTT {rtt} ms")
                 for workload, prompts in workloads.items():
                     for i, prompt in enumerate(prompts):
-                        rows += measure_prompt(clients, workload, i, prompt, rtt, n)
+                        rows += measure_prompt(clients, clocks, workload, i, prompt, rtt, n)
             finally:
                 for client in clients.values():
                     client.close()
     facts = summarise(rows)
+    facts["head"] = head_info(head_dir)
+    facts["draft_token_cost_8b"] = draft_token_costs_8b(reps=3 if wb.quick else 12)
     targets = make_targets(facts)
     method = (f"The client reaches the in-process server through `scripts/delay_proxy.py` (each direction delayed "
               f"by RTT/2; RTT {', '.join(map(str, RTTS_MS))} ms). Four workloads of {wb.params.spec_prompts} prompts "
@@ -90,8 +117,127 @@ def run(wb) -> Result:
               "float32 on both sides, one session at a time. Open chat also runs with the answer index (warmed "
               f"with the answers to {len(EARLIER_CHAT_PROMPTS)} other questions, then frozen) and with a draft model "
               "(the packaged SmolLM2 drafting for itself: the best drafts there can be, at the full cost of the "
-              "served model on this CPU).")
+              "served model on this CPU), with a draft head (trained once with `train-drafter`'s defaults on its "
+              "own chat prompts, none of them the benchmark's, and cached in `.bundles/`; float32 like the client) "
+              "and with `auto` (prompt lookup, answer index, head and draft model all available; the turn loop "
+              "chooses each step). The laptop's time proposing is timed around every costly source's proposals. "
+              f"The 8B-shaped cost: a random-weight head and LM head of Llama-3-8B's shape, {COST_DRAFTS} drafts "
+              "per proposal after one new verified position, as a session drafts; median ms per draft token.")
     return Result(NAME, method, rows, targets, facts)
+
+
+class DraftClock:
+    """Seconds spent proposing and tokens proposed, by one kind of costly source (all its sessions' forks)."""
+
+    def __init__(self):
+        self.seconds, self.tokens = 0.0, 0
+
+    def mark(self) -> tuple[float, int]:
+        return self.seconds, self.tokens
+
+    def ms_per_token_since(self, mark: tuple[float, int]) -> float:
+        tokens = self.tokens - mark[1]
+        return (self.seconds - mark[0]) * 1000 / tokens if tokens else float("nan")
+
+
+class TimedSource:
+    """A draft source whose proposals (and those of every session's fork of it) are timed on `clock`."""
+
+    def __init__(self, inner, clock: DraftClock):
+        self._inner, self._clock = inner, clock
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def fork(self) -> "TimedSource":
+        return TimedSource(self._inner.fork(), self._clock)
+
+    def propose(self, context_ids, max_draft):
+        t = now()
+        drafts = self._inner.propose(context_ids, max_draft)
+        self._clock.seconds += now() - t
+        self._clock.tokens += len(drafts)
+        return drafts
+
+
+def trained_head(wb):
+    """The draft head of the default model: trained with train-drafter's defaults on first use and kept in
+    `.bundles/` (gitignored) for later runs. None for other models (a head is trained per model)."""
+    from infemeral.speculation.train_head import train_drafter
+    from infemeral.speculation.train_settings import TrainSettings
+
+    if wb.model_kind != "default":
+        return None
+    if not (HEAD_DIR / "config.json").exists():
+        log(f"  training the draft head once (train-drafter's defaults) into {HEAD_DIR.relative_to(ROOT)}")
+        report = train_drafter("default", HEAD_DIR, TrainSettings(), cache_dir=HEAD_DATA, progress=False,
+                               loaded=(wb.reference, wb.tokenizer))
+        log(f"  {report.describe()}")
+    return HEAD_DIR
+
+
+def head_info(head_dir) -> dict:
+    import json
+
+    if head_dir is None:
+        return {}
+    raw = json.loads((head_dir / "config.json").read_text())
+    training = raw.get("infemeral", {}).get("training", {})
+    keys = ("prompts", "answer_tokens", "draft_vocab", "vocab_coverage", "steps", "data_seconds", "train_seconds",
+            "first_draft_accuracy", "tokens_per_step", "drafts")
+    return {k: training.get(k) for k in keys}
+
+
+def draft_token_costs_8b(reps: int, shape: dict | None = None) -> list[dict]:
+    """The laptop's ms per draft token at the Llama-3-8B shape: a random-weight head and the client's LM head
+    (bf16 packed where the CPU packs, int8 weight-only), over the whole vocabulary and a reduced one."""
+    import copy
+    import gc
+
+    import torch
+    from transformers import LlamaConfig
+
+    from infemeral.client.model.half import ClientModel
+    from infemeral.cloak.basis import random_orthogonal
+    from infemeral.eval.client_precision import RANDOM_8B, random_client_tensors
+    from infemeral.speculation.draft_head import DraftHead, HeadModel, layer_config
+
+    config = LlamaConfig(**(shape or RANDOM_8B), rope_theta=500000.0, rms_norm_eps=1e-5)
+    tensors = random_client_tensors(config)
+    basis = random_orthogonal(config.hidden_size, bytes(32)).float()
+    torch.manual_seed(0)
+    module = HeadModel(layer_config(config)).to(torch.bfloat16)  # each client mode converts a copy of its own
+    reduced = torch.randperm(config.vocab_size, generator=torch.Generator().manual_seed(1))[:REDUCED_VOCAB]
+    ids = torch.randint(0, config.vocab_size, (256,), generator=torch.Generator().manual_seed(2)).tolist()
+    rows = []
+    for mode, kw in (("bfloat16", dict(dtype="bfloat16")), ("int8", dict(quant="int8"))):
+        client = ClientModel.from_tensors(config, 1, tensors, basis, device="cpu", **kw)
+        full = DraftHead(copy.deepcopy(module), client)
+        heads = {"full": full, "reduced": DraftHead(full.module, client, draft_ids=reduced)}  # the same layer
+        features = torch.randn(len(ids), config.hidden_size, dtype=client.dtype)
+        drafters = {}
+        for vocab, head in heads.items():
+            drafter = head.fork()
+            drafter.observe(ids[:64], features[:64])
+            drafters[vocab] = drafter
+        times = {vocab: [] for vocab in heads}
+        for m in range(64, 64 + reps + 1):  # both vocabularies in turn, one proposal each, so load hits both alike
+            for vocab, drafter in drafters.items():
+                drafter.observe(ids[:m], features[m - 1:m])
+                t = now()
+                drafter.propose(ids[:m + 1], COST_DRAFTS)
+                if m > 64:  # the first is a warm-up
+                    times[vocab].append((now() - t) * 1000 / COST_DRAFTS)
+        for vocab, head in heads.items():
+            rows.append({"mode": mode, "vocab": vocab, "vocab_size": head.vocab.size,
+                         "ms_per_draft_token": median(times[vocab]), "head_mb": head.memory_bytes() / 2**20})
+            log(f"  8B shape, {mode}, {vocab} vocabulary ({head.vocab.size}): "
+                f"{median(times[vocab]):.1f} ms per draft token")
+        del client, full, heads, drafters
+        gc.collect()
+    del tensors, module
+    gc.collect()
+    return rows
 
 
 def warm_answer_index(client, answers, n: int) -> None:
@@ -112,24 +258,25 @@ def turn(client, prompt: str, n: int, speculate: str):
         session.delete()
 
 
-def measure_prompt(clients: dict, workload: str, i: int, prompt: str, rtt: int, n: int) -> list[SpecRow]:
+def measure_prompt(clients: dict, clocks: dict, workload: str, i: int, prompt: str, rtt: int,
+                   n: int) -> list[SpecRow]:
     """Speculation off and on for one prompt (order alternating between prompts), then the variants."""
-    from bench.harness import now
-
     runs = [("off", "plain", "off"), ("ngram", "plain", "ngram")]
     runs = runs if i % 2 == 0 else runs[::-1]
-    runs += [(v, v, "draft" if v == "draft" else "ngram") for v in VARIANTS.get(workload, ())]
+    runs += [(v, v, SPECULATE[v]) for v in VARIANTS.get(workload, ()) if v in clients]
     results = {}
     for mode, client, speculate in runs:
+        clock = clocks.get(mode)
+        mark = clock.mark() if clock else None
         t = now()
         r = turn(clients[client], prompt, n, speculate)
-        results[mode] = (r, now() - t)
+        results[mode] = (r, now() - t, clock.ms_per_token_since(mark) if clock else float("nan"))
     baseline = results["off"][0].token_ids
     out = []
-    for mode, (r, wall) in results.items():
+    for mode, (r, wall, draft_ms) in results.items():
         out.append(SpecRow(workload, i, rtt, mode, r.generated_tokens, r.tokens_per_second,
                            r.time_to_first_token * 1000, r.round_trips, r.drafted_tokens, r.accepted_drafts, wall,
-                           r.token_ids == baseline))
+                           r.token_ids == baseline, draft_ms))
     on, off = results["ngram"][0], results["off"][0]
     log(f"    {workload:8s} #{i}: {off.tokens_per_second:5.1f} -> {on.tokens_per_second:5.1f} tok/s "
         f"({ratio(on.tokens_per_second, off.tokens_per_second):.2f}x), {on.tokens_per_round_trip:.2f} tokens/round trip"
@@ -141,6 +288,7 @@ def summarise(rows: list[SpecRow]) -> dict:
     """Per workload, RTT and mode: mean speedup over the prompts (each prompt against its own 'off' run),
     mean tokens per round trip, mean TTFT; and whether every run gave speculation-off's tokens."""
     off = {(r.workload, r.prompt, r.rtt_ms): r for r in rows if r.mode == "off"}
+    lookup = {(r.workload, r.prompt, r.rtt_ms): r for r in rows if r.mode == "ngram"}
     cells: dict[str, dict] = {}
     for r in rows:
         if r.mode == "off":
@@ -148,14 +296,17 @@ def summarise(rows: list[SpecRow]) -> dict:
         key = f"{r.workload}/{r.mode}/{r.rtt_ms}"
         base = off[(r.workload, r.prompt, r.rtt_ms)]
         cell = cells.setdefault(key, {"workload": r.workload, "mode": r.mode, "rtt_ms": r.rtt_ms, "speedups": [],
-                                      "tokens_per_round_trip": [], "ttft_ratio": [], "tps_off": [], "tps_on": []})
+                                      "tokens_per_round_trip": [], "ttft_ratio": [], "tps_off": [], "tps_on": [],
+                                      "vs_lookup": [], "draft_ms": []})
         cell["speedups"].append(ratio(r.tokens_per_second, base.tokens_per_second))
         cell["tokens_per_round_trip"].append(r.tokens_per_round_trip)
         cell["ttft_ratio"].append(ratio(r.time_to_first_token_ms, base.time_to_first_token_ms))
         cell["tps_off"].append(base.tokens_per_second)
         cell["tps_on"].append(r.tokens_per_second)
+        cell["vs_lookup"].append(ratio(r.tokens_per_second, lookup[(r.workload, r.prompt, r.rtt_ms)].tokens_per_second))
+        cell["draft_ms"].append(r.draft_ms_per_token)
     for cell in cells.values():
-        for k in ("speedups", "tokens_per_round_trip", "ttft_ratio", "tps_off", "tps_on"):
+        for k in ("speedups", "tokens_per_round_trip", "ttft_ratio", "tps_off", "tps_on", "vs_lookup", "draft_ms"):
             cell[f"mean_{k}"] = mean(cell[k])
     mismatches = [f"{r.workload}#{r.prompt}/{r.mode}/{r.rtt_ms}ms" for r in rows if not r.identical]
     return {"cells": cells, "runs": len(rows), "mismatches": mismatches}
@@ -164,7 +315,10 @@ def summarise(rows: list[SpecRow]) -> dict:
 def make_targets(facts: dict) -> list:
     cells = facts["cells"]
     targets = []
+    measured = {c["workload"] for c in cells.values()}
     for workload, goal in SPEEDUP_TARGETS.items():
+        if workload not in measured:
+            continue
         cell = cells.get(f"{workload}/ngram/{TARGET_RTT}")
         value = cell["mean_speedups"] if cell else float("nan")
         targets.append(at_least(NAME, f"{workload}_speedup_{TARGET_RTT}ms",
@@ -176,6 +330,27 @@ def make_targets(facts: dict) -> list:
     where = f"{worst['workload']} at {worst['rtt_ms']} ms" if worst else "–"
     targets.append(at_least(NAME, "never_slower", f"every workload at every RTT (0 ms included) >= {NEVER_BELOW}x "
                             "speculation off", value, NEVER_BELOW, f"lowest {fmt(value, '.2f')}x: {where}"))
+    if "chat" in measured and facts.get("head"):
+        cell = cells.get(f"chat/head/{TARGET_RTT}")
+        value = cell["mean_speedups"] if cell else float("nan")
+        targets.append(at_least(NAME, f"chat_head_speedup_{TARGET_RTT}ms",
+                                f"chat: tokens/s with the draft head >= {HEAD_TARGET}x without, at {TARGET_RTT} ms "
+                                "RTT (mean over the prompts)", value, HEAD_TARGET,
+                                f"{fmt(value, '.2f')}x, {fmt(cell['mean_tokens_per_round_trip'] if cell else None, '.2f')}"
+                                " tokens per round trip"))
+        costly = [c for c in cells.values() if c["workload"] == "chat" and c["mode"] in ("head", "auto")]
+        worst = min(costly, key=lambda c: c["mean_speedups"]) if costly else None
+        value = worst["mean_speedups"] if worst else float("nan")
+        where = f"{worst['mode']} at {worst['rtt_ms']} ms" if worst else "–"
+        targets.append(at_least(NAME, "chat_head_never_slower", f"chat with the head (alone and auto) at every RTT "
+                                f"(0 ms included) >= {NEVER_BELOW}x speculation off", value, NEVER_BELOW,
+                                f"lowest {fmt(value, '.2f')}x: {where}"))
+        autos = [c for c in cells.values() if c["mode"] == "auto"]
+        worst = min(autos, key=lambda c: c["mean_vs_lookup"]) if autos else None
+        value = worst["mean_vs_lookup"] if worst else float("nan")
+        targets.append(at_least(NAME, "auto_vs_lookup", f"auto (every source available) >= {NEVER_BELOW}x the "
+                                "tokens/s of prompt lookup alone, at every RTT", value, NEVER_BELOW,
+                                f"lowest {fmt(value, '.2f')}x" + (f" at {worst['rtt_ms']} ms" if worst else "")))
     bad = facts["mismatches"]
     targets.append(at_least(NAME, "greedy_identical", "greedy tokens with speculation (every source) identical "
                             "to speculation off", -len(bad), 0,
@@ -190,16 +365,35 @@ def report(r: Result) -> list[str]:
              "Speedup = tokens/s with speculation / tokens/s without, per prompt, averaged over the prompts "
              "(mean tokens/s without → with beside it). Tokens per round trip = generated tokens / steps that "
              "produced tokens (1.0 without speculation). TTFT ratio = time to first token with / without.\n",
-             "| workload | drafts | RTT | speedup | tokens/s (off → on) | tokens per round trip | TTFT ratio |",
-             "|---|---|---|---|---|---|---|"]
+             "| workload | drafts | RTT | speedup | tokens/s (off → on) | tokens per round trip | TTFT ratio | "
+             "laptop ms per draft token |",
+             "|---|---|---|---|---|---|---|---|"]
     for cell in sorted(cells.values(), key=lambda c: (list(WORKLOADS).index(c["workload"]), c["mode"] != "ngram",
                                                       c["mode"], c["rtt_ms"])):
         tps = f"{fmt(cell['mean_tps_off'])} → {fmt(cell['mean_tps_on'])}"
         lines.append(f"| {cell['workload']} | {cell['mode']} | {cell['rtt_ms']} ms | "
                      f"{fmt(cell['mean_speedups'], '.2f')}x | {tps} | "
-                     f"{fmt(cell['mean_tokens_per_round_trip'], '.2f')} | {fmt(cell['mean_ttft_ratio'], '.2f')} |")
-    lines += ["", "drafts: `ngram` = prompt lookup over the conversation (the default); `answers` = prompt lookup, "
-              "then the answer index of earlier answers; `draft` = prompt lookup, then the draft model.\n"]
+                     f"{fmt(cell['mean_tokens_per_round_trip'], '.2f')} | {fmt(cell['mean_ttft_ratio'], '.2f')} | "
+                     f"{fmt(cell.get('mean_draft_ms'), '.1f') if cell['mode'] in ('draft', 'head', 'auto') else '–'} |")
+    lines += ["", "drafts: `ngram` = prompt lookup over the conversation; `answers` = prompt lookup, then the answer "
+              "index of earlier answers; `draft` = prompt lookup, then the draft model; `head` = the draft head alone; "
+              "`auto` = all of them, the turn loop choosing each step by measured acceptance and cost (the default "
+              "setting). Laptop ms per draft token: time in the costly sources' proposals / tokens they proposed.\n"]
+    head = r.facts.get("head") or {}
+    if head:
+        lines += [f"The draft head: trained on {head['prompts']} chat prompts ({head['answer_tokens']} answer tokens; "
+                  f"data {fmt(head['data_seconds'], '.0f')} s, {head['steps']} steps in {fmt(head['train_seconds'], '.0f')} s), "
+                  f"draft vocabulary {head['draft_vocab']} (covers {fmt(100 * (head['vocab_coverage'] or float('nan')), '.1f')}% "
+                  f"of held-out answer tokens); held out: first draft right {fmt(100 * (head['first_draft_accuracy'] or float('nan')), '.1f')}%, "
+                  f"{fmt(head['tokens_per_step'], '.2f')} tokens per step with up to {head['drafts']} drafts.\n"]
+    costs = r.facts.get("draft_token_cost_8b") or []
+    if costs:
+        lines += ["Laptop cost per draft token at the Llama-3-8B shape (random weights; the head's layer and the LM "
+                  "head over the draft vocabulary):\n",
+                  "| client | draft vocabulary | ms per draft token | head's own weights (MB) |", "|---|---|---|---|"]
+        lines += [f"| {c['mode']} | {c['vocab']} ({c['vocab_size']:,}) | {fmt(c['ms_per_draft_token'])} | "
+                  f"{fmt(c['head_mb'], '.0f')} |" for c in costs]
+        lines.append("")
     return lines
 
 
