@@ -267,6 +267,38 @@ def test_concurrent_requests_drafting_with_a_draft_model(reference, server, bund
         client.close()
 
 
+def test_concurrent_requests_drafting_with_a_draft_head(reference, server, bundles, tmp_path):
+    """The endpoint with a draft head (random weights, in the layout train-drafter writes): requests answering
+    at once each draft through their own session's head state and answer as speculation off does."""
+    import torch
+
+    from infemeral.speculation.draft_head import HeadModel, layer_config, probe_of, save_head
+
+    model, _ = reference
+    torch.manual_seed(0)
+    vocab = model.config.vocab_size
+    ids, rows = probe_of(lambda i: model.get_input_embeddings().weight[i].detach(), vocab)
+    head = save_head(tmp_path / "head", HeadModel(layer_config(model.config)), draft_ids=torch.arange(min(vocab, 4096)),
+                     vocab_size=vocab, probe_ids=ids, probe_rows=rows)
+    client = Client(f"127.0.0.1:{server.port}", bundles.client_dir, timeout=120, draft_head=head)
+    http = Uvicorn(create_app(SessionPool(client, max_sessions=4), MODEL,
+                              defaults=SamplingParams(max_new_tokens=24, speculate="head")))
+    try:
+        api = openai.OpenAI(base_url=http.url, api_key="unused", max_retries=0)
+        questions = [[{"role": "user", "content": "Why is the sky blue?"}],
+                     [{"role": "user", "content": "Write a short poem about autumn leaves falling in a park."}]]
+        off = []
+        for q in questions:
+            session = client.new_session()
+            off.append(session.chat(q[0]["content"], SamplingParams(max_new_tokens=24, speculate="off")).text)
+            session.delete()
+        for _ in range(2):
+            assert ask_together(api, questions, 24) == off
+    finally:
+        http.stop()
+        client.close()
+
+
 def test_concurrent_requests_share_the_answer_index(server, bundles, tmp_path):
     """Answers committed at once all go into one full index (each add rewrites it): every request answers as
     it does alone, and the index file stays readable."""
