@@ -20,8 +20,10 @@ with other settings does not ask the model again.
 
 Answers are generated in bfloat16 on a CPU (faster than float32 there — 0.5
 against 0.9 s per step of 32 answers, measured on a loaded 2-core machine — and
-still the model's own kind of text); features are then computed in float32 by
-one forward pass, as the exact client computes them. Training time is a budget
+still the model's own kind of text), and the features are the ones that
+generation computes: a bfloat16 model's, a little off the float32 client's,
+far less than the noise the head is trained with (a float32 pass over the
+data for exact features would cost as much again as the answers). Training time is a budget
 (`minutes`): the learning rate follows a cosine over it, so a run ends on time
 with a finished schedule whatever the machine's speed. It ends with a held-out
 measurement: tokens a step would yield with k drafts, drafted exactly as the
@@ -49,7 +51,7 @@ from infemeral.speculation.head_prompts import chat_prompts
 from infemeral.speculation.train_settings import DEFAULT_CACHE, TrainSettings
 
 log = logging.getLogger(__name__)
-DATA_FORMAT = 4
+DATA_FORMAT = 5
 
 
 @dataclass
@@ -157,19 +159,24 @@ class ThreadChoice:
 
 @torch.inference_mode()
 def answer(model, tokenizer, prompts: list[list[int]], *, max_new_tokens: int, batch: int, dtype: torch.dtype,
-           device: torch.device, threads: ThreadChoice | None = None, progress: bool = True) -> list[list[int]]:
-    """The model's greedy answer to each prompt (ending with its end-of-turn token if it ended there), in
-    batches of `batch` prompts, left-padded so that every answer starts at the same column."""
+           device: torch.device, threads: ThreadChoice | None = None,
+           progress: bool = True) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """The model's greedy answer to each prompt (ending with its end-of-turn token if it ended there), and the
+    feature of every position of prompt and answer — the top layer after the final norm, which the decoding
+    computes anyway: one pass gives both (a second pass in float32 would cost as much again). In batches of
+    `batch` prompts, left-padded so that every answer starts at the same column."""
     from tqdm import tqdm
     from transformers import DynamicCache
 
     eos = eos_ids_of(model, tokenizer)
     threads = threads or ThreadChoice(device, fixed=torch.get_num_threads())
     runner = model.to(device)
-    if next(model.parameters()).dtype != dtype:  # a copy: the features are read from the model's own weights
+    if next(model.parameters()).dtype != dtype:  # a copy: a model handed in comes back as it was
         runner = copy.deepcopy(model).to(dtype)
+    body, lm_head = runner.model, runner.get_output_embeddings()
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     answers: list[list[int]] = [[] for _ in prompts]
+    features: list[torch.Tensor | None] = [None] * len(prompts)
     bar = tqdm(total=len(prompts) * max_new_tokens, desc="answering", unit="tok", disable=not progress)
     for b in range(0, len(order), batch):
         group = order[b:b + batch]
@@ -182,9 +189,10 @@ def answer(model, tokenizer, prompts: list[list[int]], *, max_new_tokens: int, b
         ids, mask = ids.to(device), mask.to(device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=runner.config)
-        logits = runner(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                        use_cache=True, logits_to_keep=1).logits
-        tokens = [logits[:, -1].argmax(-1)]
+        hidden = body(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                      use_cache=True).last_hidden_state
+        steps = [hidden.float().cpu()]
+        tokens = [lm_head(hidden[:, -1]).argmax(-1)]
         is_done = torch.tensor([int(t) in eos for t in tokens[0]])
         for step in range(max_new_tokens - 1):
             if bool(is_done.all()):
@@ -192,14 +200,16 @@ def answer(model, tokenizer, prompts: list[list[int]], *, max_new_tokens: int, b
             started = threads.before(step)
             mask = torch.cat([mask, mask.new_ones(len(group), 1)], dim=1)
             positions = positions[:, -1:] + 1
-            logits = runner(input_ids=tokens[-1][:, None], attention_mask=mask, position_ids=positions,
-                            past_key_values=cache, use_cache=True).logits
-            tokens.append(logits[:, -1].argmax(-1))
+            hidden = body(input_ids=tokens[-1][:, None], attention_mask=mask, position_ids=positions,
+                          past_key_values=cache, use_cache=True).last_hidden_state
+            steps.append(hidden.float().cpu())
+            tokens.append(lm_head(hidden[:, -1]).argmax(-1))
             threads.after(step, started)
             is_done |= torch.tensor([int(t) in eos for t in tokens[-1]])
             bar.update(len(group))
         bar.update(len(group) * (max_new_tokens - len(tokens) + 1))
         generated = torch.stack(tokens, dim=1).cpu()
+        hidden = torch.cat(steps, dim=1)
         for row, i in enumerate(group):
             out = generated[row].tolist()
             for j, token in enumerate(out):
@@ -207,39 +217,10 @@ def answer(model, tokenizer, prompts: list[list[int]], *, max_new_tokens: int, b
                     out = out[:j + 1]
                     break
             answers[i] = out
+            # the features of the prompt and of every answer token but the last (which was never run)
+            features[i] = hidden[row, width - len(prompts[i]):width + len(out) - 1].clone()
     bar.close()
-    return answers
-
-
-@torch.inference_mode()
-def features_of(model, sequences: list[list[int]], *, batch_tokens: int, device: torch.device,
-                progress: bool = True) -> list[torch.Tensor]:
-    """The float32 feature of every position of each sequence — the top layer's output after the final norm,
-    as the exact client computes it — by one forward pass over batches of similar lengths (right-padded:
-    a causal model's earlier positions never see the padding)."""
-    from tqdm import tqdm
-
-    body = model.to(device, torch.float32).model
-    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
-    features: list[torch.Tensor | None] = [None] * len(sequences)
-    bar = tqdm(total=sum(map(len, sequences)), desc="features", unit="tok", disable=not progress)
-    b = 0
-    while b < len(order):
-        width = len(sequences[order[b]])
-        group = [order[b]]
-        while b + len(group) < len(order) and len(sequences[order[b + len(group)]]) * (len(group) + 1) <= batch_tokens:
-            group.append(order[b + len(group)])
-        b += len(group)
-        width = max(len(sequences[i]) for i in group)
-        ids = torch.zeros((len(group), width), dtype=torch.long)
-        for row, i in enumerate(group):
-            ids[row, :len(sequences[i])] = torch.tensor(sequences[i])
-        hidden = body(input_ids=ids.to(device)).last_hidden_state.float().cpu()
-        for row, i in enumerate(group):
-            features[i] = hidden[row, :len(sequences[i])].clone()
-        bar.update(sum(len(sequences[i]) for i in group))
-    bar.close()
-    return features
+    return answers, features
 
 
 def data_key(description: str, prompts: list[str], settings: TrainSettings, dtype: torch.dtype) -> str:
@@ -266,12 +247,12 @@ def training_data(model, tokenizer, prompts: list[str], settings: TrainSettings,
             log.info("training data from %s", path)
             return TrainingData(list(ids), list(features), starts, eos)
     prompt_ids = [chat_ids(tokenizer, p) for p in prompts]
-    answers = answer(model, tokenizer, prompt_ids, max_new_tokens=settings.max_new_tokens,
-                     batch=settings.generate_batch, dtype=dtype, device=device, threads=threads, progress=progress)
+    answers, features = answer(model, tokenizer, prompt_ids, max_new_tokens=settings.max_new_tokens,
+                               batch=settings.generate_batch, dtype=dtype, device=device, threads=threads,
+                               progress=progress)
     # the answer's last token is only ever a target: the sequence stops before it
-    sequences = [p + a[:-1] for p, a in zip(prompt_ids, answers)]
-    features = features_of(model, sequences, batch_tokens=settings.batch_tokens, device=device, progress=progress)
-    data = TrainingData([torch.tensor(x) for x in sequences], features, [len(p) for p in prompt_ids], eos)
+    data = TrainingData([torch.tensor(p + a[:-1]) for p, a in zip(prompt_ids, answers)], features,
+                        [len(p) for p in prompt_ids], eos)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")

@@ -28,7 +28,7 @@ class TrainSettings:
     held_out: int = 16            # prompts kept out of training, for the acceptance measurement
     eval_drafts: int = 5          # k of that measurement
     generate_batch: int = 32
-    generate_dtype: str = "auto"  # of the answers (auto: bfloat16 on a CPU); features are float32 whatever it is
+    generate_dtype: str = "auto"  # of the answers and their features (auto: bfloat16 on a CPU)
     device: str = "auto"
     threads: int = 0              # CPU threads (0: the faster of one and all, measured on the model)
     eval_positions: int = 64      # answer positions per held-out prompt that are measured
