@@ -196,3 +196,26 @@ def test_info_prints_numbers_as_numbers(capsys, server, bundles):
     out = capsys.readouterr().out
     fields = json.loads(out[:out.rindex("}") + 1])
     assert fields["max_context"] == server.settings.max_context and isinstance(fields["max_message_bytes"], int)
+
+
+def test_a_chat_that_cannot_delete_its_conversation_says_so(capsys, bundles, tmp_path):
+    srv = start_server(bundles, tmp_path / "store")
+    client = Client(f"127.0.0.1:{srv.port}", bundles.client_dir, timeout=60)
+    try:
+        settings = ClientSettings(chat_history="")
+
+        class Lines(io.StringIO):
+            def readline(self, *args):  # the server stops once the first answer is in, before Ctrl-D
+                line = super().readline(*args)
+                if not line:
+                    srv.stop(0)
+                return line
+
+        repl = ChatRepl(client, settings, stream=Lines("Name a river.\n"), params=SamplingParams(max_new_tokens=4))
+        assert repl.run() == 0
+        assert (f"could not delete this conversation on the server (the server at 127.0.0.1:{srv.port} cannot be "
+                "reached); the server deletes it by itself once it has been idle for its session TTL") in \
+            capsys.readouterr().err
+    finally:
+        client.close()
+        srv.stop(0)

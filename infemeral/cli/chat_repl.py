@@ -195,9 +195,10 @@ class ChatRepl:
         try:
             self.session.delete()
         except InfemeralError as e:
-            why = server_errors.describe(e, self.client.address)
-            self._say(f"could not delete this conversation on the server: {why}. The server deletes it by itself "
-                      "once it has been idle for its session TTL (7 days by default).")
+            why = (f"the server at {self.client.address} cannot be reached" if server_errors.is_unreachable(e)
+                   else str(e))
+            self._say(f"could not delete this conversation on the server ({why}); the server deletes it by itself "
+                      "once it has been idle for its session TTL (7 days by default)")
             return
         if self.reader.is_interactive:
             self._say("conversation deleted on the server (start with --session NAME to keep one)")
