@@ -101,7 +101,8 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         log.warning("call refused method=%s status=UNAUTHENTICATED", method)  # never the key that was sent
 
         async def deny(request_or_iterator, context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key; set INFEMERAL_API_KEY")
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key; give the client the "
+                                "key the server was started with (--api-key-file FILE or INFEMERAL_API_KEY)")
 
         if handler.request_streaming and handler.response_streaming:
             return grpc.stream_stream_rpc_method_handler(deny)

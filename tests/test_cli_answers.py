@@ -219,3 +219,19 @@ def test_a_chat_that_cannot_delete_its_conversation_says_so(capsys, bundles, tmp
     finally:
         client.close()
         srv.stop(0)
+
+
+def test_the_api_key_can_come_from_a_file(capsys, bundles, tmp_path):
+    """Kept out of the command line, where `ps` shows it to everyone on the machine."""
+    srv = start_server(bundles, tmp_path / "store", api_keys="s3cret-key")
+    (tmp_path / "key").write_text("# the pod's key\ns3cret-key\n")
+    base = ["info", "--server", f"127.0.0.1:{srv.port}", "--client-bundle", str(bundles.client_dir)]
+    try:
+        assert cli.main(base + ["--api-key-file", str(tmp_path / "key")]) == 0
+        assert "client bundle matches server bundle: yes" in capsys.readouterr().out
+        assert cli.main(base) == 2
+        assert capsys.readouterr().err == ("infemeral-client: missing or wrong API key; give the client the key the "
+                                           "server was started with (--api-key-file FILE or INFEMERAL_API_KEY) "
+                                           "[UNAUTHENTICATED]\n")
+    finally:
+        srv.stop(0)

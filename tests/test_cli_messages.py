@@ -83,3 +83,11 @@ def test_a_bad_server_flag_is_one_line_too(capsys, tmp_path):
 
     assert server_main(["--bundle", str(tmp_path), "--max-context", "0"]) == 2
     assert capsys.readouterr().err == ("infemeral-server: --max-context must be greater than or equal to 1 (got 0)\n")
+
+
+def test_an_api_key_file_that_is_not_there_is_one_line(capsys, tmp_path):
+    code, text = run(capsys, "generate", "hi", "--api-key-file", tmp_path / "key")
+    assert code == 2 and text == f"infemeral-client: --api-key-file {tmp_path / 'key'}: No such file or directory\n"
+    (tmp_path / "key").write_text("# the pod's key\n\n")
+    code, text = run(capsys, "generate", "hi", "--api-key-file", tmp_path / "key")
+    assert code == 2 and text == f"infemeral-client: --api-key-file {tmp_path / 'key'} holds no API key\n"

@@ -19,7 +19,7 @@ from infemeral.errors import InfemeralError
 from infemeral.speculation.train_settings import add_arguments as add_head_training_arguments
 
 CONNECTION = ("server", "client_bundle", "timeout", "tls_ca", "tls_client_cert", "tls_client_key", "tls_server_name",
-              "api_key")
+              "api_key", "api_key_file")
 LOCAL_COMPUTE = ("client_dtype", "client_device", "client_quant")
 SAMPLING = ("max_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "seed", "stop")
 SPECULATION = ("speculate", "max_draft", "draft_model", "draft_head", "answer_index", "answer_index_dir",
@@ -135,8 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "are defaults for requests that leave a value out.")
     add_settings_flags(s, ServeSettings)
     upstream = s.add_argument_group("infemeral server")
-    add_settings_flags(upstream, ClientSettings, tuple(n for n in CONNECTION if n != "api_key"))
-    upstream.add_argument("--server-api-key", help="API key the infemeral server asks for (env INFEMERAL_API_KEY)")
+    add_settings_flags(upstream, ClientSettings, tuple(n for n in CONNECTION if n not in ("api_key", "api_key_file")))
+    upstream.add_argument("--server-api-key", help="API key the infemeral server asks for (env INFEMERAL_API_KEY; "
+                                                        "or a file: INFEMERAL_API_KEY_FILE)")
     _local_compute(s)
     group = s.add_argument_group("sampling defaults")
     add_settings_flags(group, ClientSettings, SAMPLING)

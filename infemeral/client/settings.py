@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from infemeral.paths import DATA_HOME
@@ -32,7 +32,10 @@ class ClientSettings(BaseSettings):
     tls_client_key: Path | None = Field(None, description="client private key (PEM) for mutual TLS")
     tls_server_name: str | None = Field(None, description="name to check in the server certificate "
                                                           "(default: the host in --server)")
-    api_key: str | None = Field(None, description="API key the server asks for")
+    api_key: str | None = Field(None, description="API key the server asks for (on the command line `ps` shows "
+                                                  "it: prefer the environment or --api-key-file)")
+    api_key_file: Path | None = Field(None, description="file holding the API key the server asks for (its first "
+                                                        "line); read when --api-key is not given")
     client_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="dtype of the laptop's half (auto: the bundle's; bfloat16 with int8 weights)")
     client_device: Literal["auto", "cpu", "cuda", "mps"] = Field(
@@ -68,6 +71,20 @@ class ClientSettings(BaseSettings):
 
     chat_history: str = Field(str(DATA_HOME / "chat_history"),
                               description="file the chat prompt keeps its line history in, owner-only ('': none)")
+
+    @model_validator(mode="after")
+    def _api_key_from_file(self) -> "ClientSettings":
+        if self.api_key is None and self.api_key_file is not None:
+            path = self.api_key_file.expanduser()
+            try:
+                lines = [line.strip() for line in path.read_text().splitlines()]
+            except OSError as e:
+                raise ValueError(f"--api-key-file {path}: {e.strerror}") from None
+            keys = [line for line in lines if line and not line.startswith("#")]
+            if not keys:
+                raise ValueError(f"--api-key-file {path} holds no API key")
+            self.api_key = keys[0]
+        return self
 
     def sampling(self, model_defaults: dict | None = None) -> SamplingParams:
         """Sampling parameters from these settings. `model_defaults` (the model's generation config, see
