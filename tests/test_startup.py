@@ -65,3 +65,13 @@ def test_a_server_refuses_a_bundle_file_that_does_not_match_its_manifest(bundles
         layer.write_bytes(damage or bytes(data))
         with pytest.raises(FailedPrecondition, match="layer-00010.safetensors does not match its manifest"):
             start_server(SimpleNamespace(server_dir=bundle), tmp_path / "store")
+
+
+def test_exit_now_finishes_what_the_interpreter_would_before_it_ends_the_process():
+    code = ("import atexit, sys, threading, time\nfrom infemeral.cli.fast_exit import exit_now\n"
+            "atexit.register(lambda: print('exit handler', flush=True))\n"
+            "threading.Thread(target=lambda: (time.sleep(0.3), print('thread done', flush=True))).start()\n"
+            "sys.stdout.write('buffered answer\\n')\nexit_now(3)\nprint('not reached')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stdout.splitlines() == ["buffered answer", "thread done", "exit handler"]

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from infemeral.cli import commands, server_errors
+from infemeral.cli.fast_exit import exit_now
 from infemeral.cli.flags import add_settings_flags
 from infemeral.client.settings import ClientSettings
 from infemeral.endpoint.settings import ServeSettings
@@ -226,6 +227,10 @@ def _server_address(args: argparse.Namespace) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. Without `argv` (as `infemeral-client` and `python -m infemeral.cli` call it) it reads
+    sys.argv and ends the process itself when the command is done, skipping the interpreter's teardown."""
+    if argv is None:
+        exit_now(main(sys.argv[1:]))
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
