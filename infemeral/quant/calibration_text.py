@@ -182,4 +182,193 @@ CONVERSATIONS: tuple[tuple[str, str], ...] = (
      "A leap year has 366 days. Each day has 24 hours, each hour 60 minutes and each minute 60 seconds, so "
      "366 × 24 × 60 × 60 = 366 × 86,400 = 31,622,400 seconds. A common year of 365 days has 31,536,000 seconds. "
      "(Occasional leap seconds, added to keep clocks in step with the Earth's rotation, are not counted here.)"),
+    ("Explain recursion with a small JavaScript example.",
+     "A recursive function solves a problem by calling itself on a smaller version of the same problem, until "
+     "it reaches a case simple enough to answer directly (the base case).\n\n```javascript\nfunction factorial(n) "
+     "{\n  if (n <= 1) return 1;          // base case\n  return n * factorial(n - 1);   // smaller problem\n}\n\n"
+     "console.log(factorial(5)); // 120\n```\n\nfactorial(5) asks for 5 * factorial(4), which asks for 4 * "
+     "factorial(3), and so on down to factorial(1) = 1; then the multiplications are done on the way back up. "
+     "Without the base case the calls would never stop and you would get a stack overflow."),
+    ("I committed to the wrong branch in git. How do I undo the last commit but keep my changes?",
+     "Run `git reset --soft HEAD~1`. It moves the branch back one commit and leaves your changes staged, exactly "
+     "as they were before you committed. Then switch to the right branch and commit there:\n\n```sh\ngit reset "
+     "--soft HEAD~1\ngit switch feature/login\ngit commit -m \"Add login form\"\n```\n\nIf you already pushed "
+     "the commit, do not rewrite shared history; use `git revert <hash>` instead, which adds a new commit that "
+     "undoes it."),
+    ("What's the difference between RAM and storage?",
+     "RAM is the computer's short-term working memory. Programs and the data they are using right now live "
+     "there because it is extremely fast, but it is volatile: everything in it disappears when the power goes "
+     "off. Storage (an SSD or hard drive) keeps your files, apps and the operating system permanently, even when "
+     "the machine is off, but it is much slower than RAM.\n\nA desk is a good picture: RAM is the desk surface "
+     "where you spread out what you are working on, storage is the filing cabinet. More RAM lets you keep more "
+     "things open at once without slowing down; more storage lets you keep more things at all."),
+    ("Write a haiku about morning coffee.",
+     "Steam curls from the cup,\nthe kitchen still half asleep—\nfirst sip, the day starts."),
+    ("What is inflation, in simple terms?",
+     "Inflation is the general rise in prices over time, which means each unit of money buys a little less than "
+     "before. If inflation is 3% a year, a basket of groceries that costs 100 today will cost about 103 a year "
+     "from now.\n\nModerate, predictable inflation is normal in a growing economy, and most central banks aim for "
+     "around 2%. Problems start when it is high or unpredictable: savings lose value, wages may lag behind "
+     "prices, and businesses find it hard to plan. Central banks usually fight high inflation by raising "
+     "interest rates, which makes borrowing more expensive and cools spending."),
+    ("Explain photosynthesis to a high-school student.",
+     "Photosynthesis is how plants, algae and some bacteria make their own food from light. In the chloroplasts "
+     "of leaf cells, the green pigment chlorophyll absorbs light energy. The plant uses that energy to split "
+     "water molecules taken up by the roots, releasing oxygen as a by-product. The energy is stored temporarily "
+     "in carrier molecules called ATP and NADPH, which then power the Calvin cycle: a series of reactions that "
+     "fix carbon dioxide from the air into sugar.\n\nThe overall equation is 6 CO2 + 6 H2O + light → C6H12O6 + 6 "
+     "O2. Nearly all the oxygen we breathe and, directly or indirectly, almost all the food we eat comes from "
+     "this process."),
+    ("I have a job interview for a junior data analyst role on Friday. Any tips?",
+     "Congratulations! A few things make a big difference:\n\n1. **Know the company.** Read their website and "
+     "recent news, and think about what data they probably work with.\n2. **Prepare stories.** Have two or three "
+     "short examples of projects where you cleaned messy data, found an insight or explained results to someone "
+     "non-technical. Use the situation, task, action, result structure.\n3. **Practise the basics.** Expect SQL "
+     "questions (joins, GROUP BY, window functions) and maybe a small spreadsheet or Python task.\n4. **Ask "
+     "questions.** For example, what a typical week looks like, or how the team decides which analyses matter."
+     "\n\nGet a good night's sleep, and arrive ten minutes early. Good luck!"),
+    ("When should I use a list comprehension instead of a for loop in Python?",
+     "Use a list comprehension when you are building a new list from an existing iterable with a simple "
+     "transformation or filter:\n\n```python\nsquares = [x * x for x in range(10) if x % 2 == 0]\n```\n\nIt is "
+     "shorter, and usually a little faster, than appending inside a loop. Use a regular for loop when the body "
+     "has side effects (printing, writing files), needs several statements, or when the comprehension would "
+     "need nested conditions that make it hard to read. A good rule: if it does not fit comfortably on one or "
+     "two lines, write the loop."),
+    ("Can you explain what an API is to someone who isn't technical?",
+     "Think of a restaurant. You do not walk into the kitchen and cook; you read the menu and give your order to "
+     "the waiter, who brings back your food. An API (application programming interface) is that menu and waiter "
+     "for software. It lists what one program can ask another program to do, and in what format, without "
+     "either of them needing to know how the other works inside.\n\nWhen a weather app on your phone shows the "
+     "forecast, it is asking a weather service's API something like \"give me tomorrow's forecast for Lyon\" and "
+     "getting back the answer in a standard format it can display."),
+    ("How should I set up a simple monthly budget?",
+     "Start with what actually comes in and goes out. Take your last two or three months of bank statements and "
+     "sort every expense into a few categories: housing, utilities, groceries, transport, subscriptions, eating "
+     "out and other. Then make a simple table with one row per category and columns for planned and actual "
+     "amounts.\n\nA common starting point is the 50/30/20 rule: about half of your take-home pay for needs, 30% "
+     "for wants and 20% for savings or paying off debt. Adjust it to your situation. Check the actual column "
+     "once a week; the goal is not perfection but noticing where money goes, so you can decide on purpose."),
+    ("What causes the seasons? Is it because the Earth is closer to the Sun in summer?",
+     "No, distance has very little to do with it. In fact, the Earth is closest to the Sun in early January, "
+     "which is winter in the northern hemisphere.\n\nThe seasons come from the tilt of the Earth's axis, about "
+     "23.5 degrees. As the Earth orbits the Sun, the tilt stays pointed in the same direction in space, so for "
+     "half the year the northern hemisphere leans towards the Sun and for the other half away from it. When your "
+     "hemisphere leans towards the Sun, sunlight hits the ground more directly and days are longer, so it "
+     "warms up: summer. When it leans away, the light is spread at a low angle over a larger area and days are "
+     "short: winter."),
+    ("Summarise the plot of Romeo and Juliet in a few sentences.",
+     "In Verona, Romeo Montague and Juliet Capulet, children of two feuding families, fall in love at a party "
+     "and marry in secret with the help of Friar Laurence. Soon after, Romeo kills Juliet's cousin Tybalt in a "
+     "street fight and is banished. To avoid an arranged marriage, Juliet takes a potion that makes her appear "
+     "dead, planning to escape with Romeo when she wakes. The message explaining the plan never reaches him; "
+     "believing she is really dead, Romeo poisons himself at her tomb, and Juliet, waking to find him dead, "
+     "stabs herself. Their deaths finally reconcile the two families."),
+    ("How do I center a div horizontally and vertically with CSS?",
+     "The simplest modern way is flexbox on the parent:\n\n```css\n.parent {\n  display: flex;\n  justify-content: "
+     "center;   /* horizontal */\n  align-items: center;       /* vertical */\n  min-height: 100vh;         /* "
+     "give it height to center within */\n}\n```\n\nGrid works too and is even shorter: `display: grid; "
+     "place-items: center;`. Both center the child regardless of its size, so you do not need to know its width "
+     "or height."),
+    ("Write a short birthday message for a colleague I don't know very well.",
+     "Happy birthday, Priya! Wishing you a relaxing day, good food and a great year ahead. Thanks for always "
+     "being so helpful in our project meetings. Enjoy the celebrations!"),
+    ("What's the difference between weather and climate?",
+     "Weather is what the atmosphere is doing at a particular place and time: today's temperature, wind, "
+     "cloud and humidity. It changes from hour to hour and day to day. Climate is the long-term pattern of "
+     "weather in a region, usually described with averages and ranges over thirty years or more.\n\nA handy "
+     "saying is that climate is what you expect, and weather is what you get. A single cold week does not tell "
+     "you much about the climate, just as one hot summer does not; climate change shows up in the long-term "
+     "trends of those averages and in how often extremes occur."),
+    ("Why is quicksort O(n log n) on average but O(n^2) in the worst case?",
+     "Quicksort picks a pivot, partitions the array into elements smaller and larger than the pivot, and sorts "
+     "the two parts recursively. Partitioning a level costs O(n) in total.\n\nIf the pivot splits the array "
+     "roughly in half, there are about log n levels of recursion, giving O(n log n). With random pivots this "
+     "happens on average. The worst case is when the pivot is always the smallest or largest element, for "
+     "example choosing the first element of an already sorted array. Then each partition removes only one "
+     "element, there are n levels, and the total work is n + (n - 1) + ... + 1 = O(n^2). Random or "
+     "median-of-three pivots make that case very unlikely."),
+    ("My monstera's leaves are turning yellow. What am I doing wrong?",
+     "Yellow leaves on a monstera most often mean too much water. Check the soil: if it is still damp a few "
+     "centimetres down, wait before watering again, and make sure the pot has drainage holes so the roots do not "
+     "sit in water. Water only when the top third of the soil is dry, usually every one to two weeks.\n\nOther "
+     "causes are too little light (move it near a bright window, but out of harsh direct sun), a cold draught, "
+     "or simply an old lower leaf dying off naturally, which is fine if it is just one now and then. If the "
+     "roots are brown and mushy, repot it in fresh, airy soil and trim the rotten roots."),
+    ("What's the capital of Australia? And tell me something interesting about it.",
+     "The capital of Australia is Canberra, not Sydney or Melbourne, as many people assume. It was chosen as a "
+     "compromise between those two rival cities and built as a planned capital in the early twentieth century. "
+     "The American architects Walter Burley Griffin and Marion Mahony Griffin won the international design "
+     "competition, and the city's centre is laid out around a large artificial lake named after Walter. "
+     "Parliament moved there in 1927."),
+    ("Explain the Pythagorean theorem with an example.",
+     "In a right-angled triangle, the square of the longest side (the hypotenuse, opposite the right angle) "
+     "equals the sum of the squares of the other two sides: a² + b² = c².\n\nExample: a ladder leans against a "
+     "wall. Its foot is 3 metres from the wall and it reaches 4 metres up. The ladder is the hypotenuse, so c² = "
+     "3² + 4² = 9 + 16 = 25, and c = 5 metres. The theorem also works backwards: if the sides satisfy a² + b² = "
+     "c², the triangle has a right angle, which builders use to check corners with a 3-4-5 measurement."),
+    ("Write a Dockerfile for a small Flask app.",
+     "Assuming `app.py` defines `app` and your dependencies are in `requirements.txt`:\n\n```dockerfile\nFROM "
+     "python:3.12-slim\n\nWORKDIR /app\nCOPY requirements.txt .\nRUN pip install --no-cache-dir -r "
+     "requirements.txt gunicorn\nCOPY . .\n\nRUN useradd --create-home appuser\nUSER appuser\n\nEXPOSE 8000\nCMD "
+     "[\"gunicorn\", \"--bind\", \"0.0.0.0:8000\", \"app:app\"]\n```\n\nCopying `requirements.txt` first lets "
+     "Docker cache the installed packages when only your code changes, gunicorn is a proper production server "
+     "instead of Flask's development server, and the app does not run as root. Build and run it with `docker "
+     "build -t myapp .` and `docker run -p 8000:8000 myapp`."),
+    ("A coworker keeps interrupting me in meetings. How do I handle it without making things awkward?",
+     "Start small and in the moment. When it happens, keep your tone friendly and say something like \"I'd like "
+     "to finish this thought, then I'd love to hear yours.\" Most people back off once it is named calmly.\n\nIf "
+     "it continues, talk to them privately rather than in front of others: \"I've noticed I often get cut off in "
+     "meetings, and it makes it hard to get my point across. Could you help me with that?\" Assume good intent; "
+     "many interrupters do not realise they do it. If nothing changes, it is reasonable to ask whoever runs the "
+     "meetings to keep a speaking order."),
+    ("Convert 72 degrees Fahrenheit to Celsius.",
+     "Use C = (F − 32) × 5/9.\n\n(72 − 32) × 5/9 = 40 × 5/9 ≈ 22.2 °C. So 72 °F is a comfortable room "
+     "temperature of about 22 degrees Celsius."),
+    ("What does overfitting mean in machine learning?",
+     "Overfitting is when a model learns the training data too well, including its noise and quirks, so it "
+     "performs great on the examples it has seen but badly on new ones. It is like a student who memorises the "
+     "answers to last year's exam instead of understanding the subject.\n\nYou spot it when training accuracy "
+     "keeps improving while accuracy on a held-out validation set stalls or gets worse. Common remedies are more "
+     "training data, a simpler model, regularisation (such as weight decay or dropout), data augmentation, and "
+     "early stopping: stop training when the validation score stops improving."),
+    ("Write a limerick about a cat who hates Mondays.",
+     "A tabby named Tom from Dundee\nwould sulk every Monday till three.\nHe'd glare at the clock,\nknock the pens "
+     "off the block,\nthen nap on the keyboard with glee."),
+    ("What's a good beginner strength routine I can do at home with no equipment?",
+     "Try this three times a week, with a rest day in between:\n\n- Squats: 3 sets of 12\n- Push-ups (on your "
+     "knees or against a table if needed): 3 sets of 8–10\n- Glute bridges: 3 sets of 15\n- Reverse lunges: 3 "
+     "sets of 10 per leg\n- Plank: 3 holds of 20–30 seconds\n\nRest about a minute between sets. Move slowly and "
+     "with control; good form matters more than numbers. When the last set of an exercise feels easy, add two "
+     "or three repetitions, or switch to a harder version, such as full push-ups or split squats."),
+    ("How do I rename all .jpeg files in a folder to .jpg with bash?",
+     "A loop with parameter expansion does it:\n\n```sh\nfor f in *.jpeg; do\n  [ -e \"$f\" ] || continue\n  mv -- "
+     "\"$f\" \"${f%.jpeg}.jpg\"\ndone\n```\n\n`${f%.jpeg}` removes the `.jpeg` suffix, the `[ -e \"$f\" ]` test "
+     "skips the loop when there are no matching files, and `--` protects file names that start with a dash. "
+     "Quoting the variables keeps names with spaces intact. Run it with `echo mv` instead of `mv` first if you "
+     "want to see what it would do."),
+    ("How does a credit score work?",
+     "A credit score is a number lenders use to estimate how likely you are to repay a loan. In the US, FICO "
+     "scores range from 300 to 850. They are calculated from your credit report, and the main ingredients are "
+     "roughly: payment history (about 35%), how much of your available credit you use (30%), the length of your "
+     "credit history (15%), new credit applications (10%) and the mix of credit types (10%).\n\nTo improve it: "
+     "pay every bill on time, keep your card balances well below their limits (under 30%, ideally lower), avoid "
+     "opening many new accounts at once, and keep old accounts open. Check your report once a year for errors."),
+    ("Here are my meeting notes: 'budget approved, launch moved to May 12, Ana to hire 2 devs, need new logo "
+     "by April'. Turn them into a clean summary.",
+     "**Meeting summary**\n\n- **Budget:** approved.\n- **Launch date:** moved to 12 May.\n- **Hiring:** Ana will "
+     "recruit two developers.\n- **Branding:** a new logo is needed by April.\n\n**Action items**\n\n| Owner | Task "
+     "| Due |\n|---|---|---|\n| Ana | Hire two developers | before launch |\n| Design (owner to be confirmed) | "
+     "New logo | April |"),
+    ("When do I use 'its' and when 'it's'?",
+     "*It's* is always a contraction of \"it is\" or \"it has\": \"It's raining\", \"It's been a long day\". *Its* "
+     "is the possessive, like *his* or *her*, and has no apostrophe: \"The dog wagged its tail.\" A quick test: "
+     "try replacing the word with \"it is\". If the sentence still makes sense, write *it's*; if not, write "
+     "*its*."),
+    ("Explain Rust's ownership rules briefly.",
+     "Rust manages memory without a garbage collector through three rules: each value has exactly one owner; "
+     "when the owner goes out of scope, the value is dropped; and ownership can be moved, after which the old "
+     "variable can no longer be used.\n\nInstead of moving, you can borrow a value with references. You may have "
+     "any number of immutable references (`&T`) or exactly one mutable reference (`&mut T`) at a time, never "
+     "both. The compiler's borrow checker enforces this at compile time, which rules out use-after-free bugs and "
+     "data races before the program ever runs."),
 )

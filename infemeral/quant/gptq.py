@@ -75,12 +75,20 @@ class Int8RowGrid:
         return self.codes, self.scales
 
 
+# A weight at most this big (elements) is quantised on one thread from start to end: its Cholesky factors and block
+# products are too small to gain from threads. Measured on 2 busy shared cores, a 1536 x 576 weight took 1.6 s on
+# one thread and 12 s with only the column loop on one (the factorisations and block updates on two). Calibration
+# runs layers this small on one thread too (calibration.py).
+ONE_THREAD_ELEMENTS = 1 << 24
+
+
 @contextmanager
-def _one_thread() -> Iterator[None]:
+def one_thread(active: bool = True) -> Iterator[None]:
     """The column loop is thousands of small operations: on a busy CPU, splitting each over threads costs more
     than it saves (measured on 2 shared cores: a 576 x 1536 weight in 1.7 s on one thread, 28 s on two)."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    if active:
+        torch.set_num_threads(1)
     try:
         yield
     finally:
@@ -88,8 +96,13 @@ def _one_thread() -> Iterator[None]:
 
 
 @torch.no_grad()
-def gptq(weight: torch.Tensor, hessian: torch.Tensor, grid, damp: float = DAMP):
+def gptq(weight: torch.Tensor, hessian: torch.Tensor, grid, damp: float | None = None):
     """Quantise weight [N, K] onto `grid` (Int4Grid or Int8RowGrid) given H [K, K]; returns grid.result()."""
+    with one_thread(weight.numel() <= ONE_THREAD_ELEMENTS):
+        return _gptq(weight, hessian, grid, DAMP if damp is None else damp)
+
+
+def _gptq(weight: torch.Tensor, hessian: torch.Tensor, grid, damp: float):
     w = weight.to(torch.float32).clone()
     h = hessian.to(torch.float64).clone()
     n, k = w.shape
@@ -103,7 +116,7 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, grid, damp: float = DAMP):
     for start in range(0, k, block):
         end = min(start + block, k)
         w1, errors, h1 = w[:, start:end], torch.zeros(n, end - start), h_inv[start:end, start:end]
-        with _one_thread():
+        with one_thread():
             for i in range(end - start):
                 column = start + i
                 if group is not None and column % group == 0:
