@@ -11,7 +11,7 @@ from infemeral.cloak.bundle import ServerBundle
 from infemeral.cloak.prepare import prepare
 from infemeral.cloak.sources import ModelSource
 from infemeral.model.paged_attention import TorchBackend
-from infemeral.quant import int4
+from infemeral.quant import int4, int8, served
 from infemeral.server import self_check
 from infemeral.server.self_check import SelfCheckFailed, checked_attention, checked_kernels
 from test_server_quant import tiny_model
@@ -115,7 +115,19 @@ def test_a_wrong_int4_kernel_falls_back_to_dequantising(int4_bundle, monkeypatch
     assert "relative error" in self_check.layer_failure(int4_bundle, torch.bfloat16, CPU)
     with caplog.at_level(logging.WARNING, logger="infemeral.server.self_check"):
         assert checked_kernels(int4_bundle, torch.float32, CPU) is False
-    assert "int4 kernel failed" in caplog.text and "dequantising" in caplog.text
+    assert "kernels of int4 (rtn, groups of 32" in caplog.text and "dequantising" in caplog.text
+
+
+def test_a_wrong_int8_kernel_falls_back_to_dequantising(int4_bundle, monkeypatch, caplog):
+    """The int4 bundle keeps k_proj and v_proj in int8: a wrong int8 kernel is caught by the same check."""
+    real = int8.int8_matmul
+    monkeypatch.setattr(int8, "int8_matmul", lambda *a: real(*a) * 1.5)  # scales read wrong
+    assert "relative error" in self_check.layer_failure(int4_bundle, torch.float32, CPU)
+    with caplog.at_level(logging.WARNING, logger="infemeral.server.self_check"):
+        assert checked_kernels(int4_bundle, torch.float32, CPU) is False
+    assert "dequantising" in caplog.text
+    stack = served.load_stack(int4_bundle, torch.float32, use_kernels=False)
+    assert set(served.kernels_in_use(stack)) == {"int4 dequantize", "int8 dequantize"}  # what serves then
 
 
 def test_a_layer_wrong_even_without_its_kernel_refuses_to_start(int4_bundle, monkeypatch):

@@ -25,6 +25,7 @@ free-running greedy decoding with the candidate would part from float32).
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import re
 import sys
@@ -344,21 +345,28 @@ class Cell:
     row: str
     method: str
     mode: str
-    perplexity: float
-    ratio: float  # to the float32 model's perplexity
-    seconds: float  # quantising every served layer (GPTQ: with its calibration)
+    perplexity: dict  # text -> perplexity with every served layer quantised
+    ratio: dict       # text -> over the float32 model's perplexity
+    seconds: float    # quantising every served layer (GPTQ: with its calibration)
 
 
-def default_modes(groups=(32, 64, 192)) -> list[Mode]:
+KV = ("self_attn.k_proj", "self_attn.v_proj")
+
+
+def default_modes(groups=(32, 64, 192), kv_groups=(64,)) -> list[Mode]:
+    """int8 per row; int4 at each of `groups`; int4 at each of `kv_groups` with k_proj and v_proj in int8."""
     modes = [Mode("int8", m) for m in ("rtn", "gptq")]
     modes += [Mode("int4", m, g) for g in groups for m in METHODS]
+    modes += [Mode("int4", m, g, KV) for g in kv_groups for m in METHODS if m != "rtn-sym"]
     return modes
 
 
-def measure_methods(ref: Reference, ids: list[int], modes: list[Mode], rows=ROWS,
-                    progress: Callable[[str], None] = lambda s: None) -> tuple[float, list[Cell]]:
-    base = perplexity(FloatSplit(ref, "rotated", quantize_row(ref, "rotated", None)), ids)
-    progress(f"float32: perplexity {base:.3f}")
+def measure_methods(ref: Reference, texts: dict[str, list[int]], modes: list[Mode], rows=ROWS,
+                    progress: Callable[[str], None] = lambda s: None,
+                    on_cell: Callable[[dict, list[Cell]], None] = lambda base, cells: None) -> tuple[dict, list[Cell]]:
+    floats = FloatSplit(ref, "rotated", quantize_row(ref, "rotated", None))
+    base = {name: perplexity(floats, ids) for name, ids in texts.items()}
+    progress(f"float32: perplexity {base}")
     cells = []
     for row in rows:
         for mode in modes:
@@ -367,14 +375,17 @@ def measure_methods(ref: Reference, ids: list[int], modes: list[Mode], rows=ROWS
             t = time.perf_counter()
             layers = quantize_row(ref, row, mode)
             seconds = time.perf_counter() - t
-            ppl = perplexity(FloatSplit(ref, row, layers), ids)
-            cells.append(Cell(row, mode.method, mode.label, ppl, ppl / base, seconds))
-            progress(f"{row:12s} {mode.label:9s} {mode.method:8s} ppl {ppl:8.3f} ({ppl / base:.3f}x), "
-                     f"quantised in {seconds:.0f} s")
+            split = FloatSplit(ref, row, layers)
+            ppl = {name: perplexity(split, ids) for name, ids in texts.items()}
+            cells.append(Cell(row, mode.method, mode.label, ppl, {k: v / base[k] for k, v in ppl.items()}, seconds))
+            progress(f"{row:12s} {mode.label:18s} {mode.method:8s} " + ", ".join(
+                f"{k} {v:.3f}x" for k, v in cells[-1].ratio.items()) + f"; quantised in {seconds:.0f} s")
+            on_cell(base, cells)
     return base, cells
 
 
 def methods_table(cells: list[Cell]) -> str:
+    """One row per arrangement and method, one column per mode; each cell the ratio on every text, '/'-separated."""
     labels = list(dict.fromkeys(c.mode for c in cells))
     lines = ["| served layers | method | " + " | ".join(labels) + " |", "|---|---|" + "---:|" * len(labels)]
     for row in dict.fromkeys(c.row for c in cells):
@@ -382,7 +393,8 @@ def methods_table(cells: list[Cell]) -> str:
             found = {c.mode: c for c in cells if c.row == row and c.method == method}
             if not found:
                 continue
-            values = [f"{found[lab].ratio:.3f}x" if lab in found else "–" for lab in labels]
+            values = [" / ".join(f"{r:.3f}" for r in found[lab].ratio.values()) if lab in found else "–"
+                      for lab in labels]
             lines.append(f"| {ROW_TITLES[row]} | {method} | " + " | ".join(values) + " |")
     return "\n".join(lines)
 
@@ -425,10 +437,9 @@ class BundleReport:
 
 
 def held_texts() -> dict[str, Path]:
-    """The held texts for perplexity: the Genesis excerpt always, the GPL-3 licence where the system has it."""
-    texts = {"KJV Genesis 37-40": DEFAULT_TEXT}
-    if GPL3_TEXT.exists():
-        texts["GPL-3"] = GPL3_TEXT
+    """The held texts for perplexity: the GPL-3 licence where the system has it, the Genesis excerpt always."""
+    texts = {"GPL-3": GPL3_TEXT} if GPL3_TEXT.exists() else {}
+    texts["KJV Genesis 37-40"] = DEFAULT_TEXT
     return texts
 
 
@@ -453,12 +464,63 @@ def run_bundle(model: str | None, client_dir: Path, server_dir: Path, text: Path
     from infemeral.cloak.bundle import DTYPES
     from infemeral.eval.perplexity import load_model
 
+    if not Path(text).is_file():
+        raise ValueError(f"held text {text} not found (it ships with the repository, not the package): pass "
+                         "--text FILE, a few thousand words the model was not tuned on")
     plain, tokenizer = load_model(model)
     candidate = BundleSplit(client_dir, server_dir, DTYPES[dtype])
     eos = candidate.client.bundle.generation_config().eos_token_id
     stop = set(eos if isinstance(eos, list) else [] if eos is None else [eos]) | {tokenizer.eos_token_id}
     return measure_bundle(PlainReference(plain), candidate, tokenizer, text.read_text(), text_tokens, positions,
                           stop - {None}, candidate.quant.describe())
+
+
+# -- what keeping the gains apart costs -------------------------------------------------------------------
+@torch.inference_mode()
+def gains_apart_cost(shape: str = "Llama-3-8B", group_size: int = 64, context: int = 128, reps: int = 20,
+                     dtype: torch.dtype = torch.bfloat16) -> dict:
+    """One served layer of `shape` in int4 (random weights, round-to-nearest), as the pod holds it and with the
+    gains kept apart (a dense d×d matrix after each of its two norms, in `dtype`): bytes and a decode step."""
+    from transformers import LlamaConfig
+
+    s = SHAPES[shape]
+    d = s["hidden"]
+    config = LlamaConfig(hidden_size=d, intermediate_size=s["ffn"], num_hidden_layers=1, num_attention_heads=s["heads"],
+                         num_key_value_heads=s["kv_heads"], head_dim=s["head_dim"], rms_norm_eps=1e-5,
+                         max_position_embeddings=8192)
+    g = torch.Generator().manual_seed(0)
+    with torch.device("meta"):
+        names = {k: v.shape for k, v in architecture.decoder_layer_class(config)(config, 0).state_dict().items()}
+    weights = {k: (torch.ones(shape) if "norm" in k else 0.02 * torch.randn(shape, generator=g)) for k, shape in
+               names.items()}
+    quant = served.ServerQuant("int4", "rtn", group_size)
+    stored = served.quantize_layer(weights, quant)
+    apart = {k: v for k, v in stored.items() if not k.endswith("layernorm.weight")}
+    apart.update({f"{norm}.mix": torch.linalg.qr(torch.randn(d, d, generator=g))[0] for norm in NORM_FEEDS})
+    adapt_quant, adapt_mix = served.adapter(quant), use_mixed_norms(config)
+
+    def both(layer):
+        adapt_quant(layer)
+        adapt_mix(layer)
+
+    stacks = {"folded": LayerStack(config, 0, [stored], dtype=dtype, adapt_layer=adapt_quant),
+              "gains apart": LayerStack(config, 0, [apart], dtype=dtype, adapt_layer=both)}
+    caches = {name: stack.new_cache(context + reps + 4) for name, stack in stacks.items()}
+    for name, stack in stacks.items():
+        stack(torch.randn(context, d, generator=g), caches[name])
+    x = torch.randn(1, d, generator=g)
+    times = {name: [] for name in stacks}
+    for rep in range(reps + 2):
+        for name in (list(stacks) if rep % 2 else list(stacks)[::-1]):
+            t = time.perf_counter()
+            stacks[name](x, caches[name])
+            if rep >= 2:
+                times[name].append(time.perf_counter() - t)
+            caches[name].truncate(1)
+    med = {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
+    sizes = {name: served.weight_bytes(stack) for name, stack in stacks.items()}
+    return {"shape": shape, "bytes": sizes, "step_seconds": med,
+            "bytes_ratio": sizes["gains apart"] / sizes["folded"], "step_ratio": med["gains apart"] / med["folded"]}
 
 
 # -- what fits where ---------------------------------------------------------------------------------------------
@@ -471,14 +533,17 @@ OVERHEAD_GB = 2.0  # CUDA context, activations of a batch, attention workspace
 
 
 def served_bytes(shape: dict, mode: str, group_size: int = 64) -> float:
-    """Bytes of a model's served layers (all but one) in `mode`: bfloat16, int8 (a bf16 scale per row), int4."""
+    """Bytes of a model's served layers (all but one) in `mode`: bfloat16, int8 (a float32 scale per row), or
+    int4 (a bf16 scale and zero per group) with the default linears (k and v) kept in int8."""
     d, f, kv = shape["hidden"], shape["ffn"], shape["kv_heads"] * shape["head_dim"]
     q = shape["heads"] * shape["head_dim"]
-    linears = [(q, d), (kv, d), (kv, d), (d, q), (f, d), (f, d), (d, f)]  # (out, in)
-    params = sum(n * k for n, k in linears)
-    rows = sum(n for n, _ in linears)
-    per_layer = {"bfloat16": 2 * params, "int8": params + 4 * rows,
-                 "int4": params / 2 + 4 * params / group_size}[mode] + 2 * 2 * d  # + two norms
+    linears = {"self_attn.q_proj": (q, d), "self_attn.k_proj": (kv, d), "self_attn.v_proj": (kv, d),
+               "self_attn.o_proj": (d, q), "mlp.gate_proj": (f, d), "mlp.up_proj": (f, d),
+               "mlp.down_proj": (d, f)}  # (out, in)
+    per_layer = 2 * 2 * d  # two norms
+    for name, (n, k) in linears.items():
+        scheme = "int8" if mode == "int4" and name in served.DEFAULT_INT8_LINEARS else mode
+        per_layer += {"bfloat16": 2 * n * k, "int8": n * k + 4 * n, "int4": n * k / 2 + 4 * n * k / group_size}[scheme]
     return per_layer * (shape["layers"] - 1)
 
 
@@ -508,21 +573,36 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     methods = sub.add_parser("methods", help="every method x mode x arrangement on a model (float32 arithmetic)")
     methods.add_argument("--model", help="a .gguf file, checkpoint directory or Hub id (default: packaged SmolLM2)")
-    methods.add_argument("--text", type=Path, default=DEFAULT_TEXT)
+    methods.add_argument("--text", type=Path, nargs="+", default=None,
+                         help="held texts (default: the Genesis excerpt, and the GPL-3 licence where installed)")
     methods.add_argument("--tokens", type=int, default=TEXT_TOKENS)
+    methods.add_argument("--json", type=Path, help="also write every cell here")
     methods.add_argument("--groups", type=int, nargs="+", default=[32, 64, 192])
+    methods.add_argument("--kv-groups", type=int, nargs="*", default=[64],
+                         help="int4 group sizes also measured with k_proj and v_proj in int8 (none: leave out)")
     methods.add_argument("--rows", nargs="+", choices=ROWS, default=list(ROWS))
     methods.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    methods.add_argument("--schemes", nargs="+", choices=["int8", "int4"], default=["int8", "int4"])
     methods.add_argument("--threads", type=int, default=None)
     methods.add_argument("--write", type=Path, nargs="?", const=DEFAULT_DOC, metavar="PATH")
     bundle = sub.add_parser("bundle", help="a client and server bundle against the plain model in float32")
     add_bundle_arguments(bundle)
+    table = sub.add_parser("table", help="one table from the --json files of several `methods` runs")
+    table.add_argument("json", type=Path, nargs="+")
+    table.add_argument("--write", type=Path, nargs="?", const=DEFAULT_DOC, metavar="PATH")
+    cost = sub.add_parser("gains-apart-cost", help="bytes and decode step of one int4 layer with the gains apart")
+    cost.add_argument("--shape", choices=list(SHAPES), default="Llama-3-8B")
     fits = sub.add_parser("fits", help="sessions that fit beside the served weights on one GPU (arithmetic)")
     fits.add_argument("--context", type=int, default=8192)
     fits.add_argument("--group-size", type=int, default=64)
     args = parser.parse_args(argv)
     if args.command == "fits":
         print(fits_table(args.context, args.group_size))
+        return 0
+    if args.command == "table":
+        return table_command(args)
+    if args.command == "gains-apart-cost":
+        print(json.dumps(gains_apart_cost(args.shape), indent=1))
         return 0
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
@@ -533,24 +613,50 @@ def main(argv: list[str] | None = None) -> int:
     model, tokenizer = load_model(args.model)
     ref = Reference.from_transformers(model, tokenizer)
     del model
-    ids = tokenizer(args.text.read_text(), add_special_tokens=False)["input_ids"][:args.tokens]
-    modes = [m for m in default_modes(tuple(args.groups)) if m.method in args.methods]
-    started = time.perf_counter()
-    base, cells = measure_methods(ref, ids, modes, tuple(args.rows), progress=lambda s: print(s, file=sys.stderr))
-    table = methods_table(cells)
+    paths = {p.name: p for p in args.text} if args.text else held_texts()
+    texts = {name: tokenizer(path.read_text(), add_special_tokens=False)["input_ids"][:args.tokens]
+             for name, path in paths.items()}
+    modes = [m for m in default_modes(tuple(args.groups), tuple(args.kv_groups))
+             if m.method in args.methods and m.scheme in args.schemes]
     name = args.model or "packaged SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised to float32)"
-    try:
-        text_name = args.text.resolve().relative_to(REPO)
-    except ValueError:
-        text_name = args.text
-    settings = (f"Model: {name}. Text: `{text_name}`, first {len(ids)} tokens; float32 perplexity {base:.3f}. "
-                f"Cells: perplexity with every served layer quantised, over float32's. "
-                f"({time.perf_counter() - started:.0f} s)")
-    print(settings + "\n\n" + table)
-    for cell in cells:
-        print(asdict(cell), file=sys.stderr)
+
+    def save(base: dict, cells: list[Cell]) -> None:  # after every cell: a long run that is stopped keeps its cells
+        if args.json:
+            tokens = {k: len(v) for k, v in texts.items()}
+            args.json.write_text(json.dumps({"model": name, "tokens": tokens, "base": base,
+                                             "cells": [asdict(c) for c in cells]}, indent=1))
+
+    base, cells = measure_methods(ref, texts, modes, tuple(args.rows), progress=lambda s: print(s, file=sys.stderr),
+                                  on_cell=save)
+    body = methods_report(name, {k: len(v) for k, v in texts.items()}, base, cells)
+    print(body)
     if args.write:
-        write_block(args.write, settings + "\n\n" + table)
+        write_block(args.write, body)
+    return 0
+
+
+def methods_report(model: str, tokens: dict[str, int], base: dict[str, float], cells: list[Cell]) -> str:
+    texts = ", ".join(f"{k} (first {tokens[k]} tokens, float32 perplexity {base[k]:.3f})" for k in base)
+    settings = (f"Model: {model}. Texts: {texts}. Cells: perplexity with every served layer quantised, over "
+                f"float32's (on each text, '/'-separated, in that order). Quantising every served layer took "
+                f"{min(c.seconds for c in cells):.0f} to {max(c.seconds for c in cells):.0f} s a cell.")
+    return settings + "\n\n" + methods_table(cells)
+
+
+def table_command(args) -> int:
+    """Merge the --json files of several `methods` runs (e.g. one per row, run side by side) into one table."""
+    runs = [json.loads(path.read_text()) for path in args.json]
+    bases = [r["base"] for r in runs]
+    if any(b.keys() != bases[0].keys() or any(abs(b[k] - bases[0][k]) > 1e-6 * bases[0][k] for k in b)
+           for b in bases):
+        raise ValueError("these runs measured different texts or models (their float32 perplexities differ)")
+    cells = [Cell(**c) for r in runs for c in r["cells"]]
+    order = {row: i for i, row in enumerate(ROWS)}
+    cells.sort(key=lambda c: order[c.row])
+    body = methods_report(runs[0]["model"], runs[0]["tokens"], bases[0], cells)
+    print(body)
+    if args.write:
+        write_block(args.write, body)
     return 0
 
 

@@ -183,8 +183,8 @@ def checked_kernels(bundle, dtype: torch.dtype, device: torch.device) -> bool:
     if fallback is not None:
         raise SelfCheckFailed(f"the {quant.scheme} served layer disagrees with its float32 reference on {device} "
                               f"even without its kernel ({fallback}; with it: {failure})")
-    log.warning("served-layer self-check: the %s kernel failed (%s); dequantising the weights on each call instead",
-                quant.scheme, failure)
+    log.warning("served-layer self-check: the kernels of %s failed (%s); dequantising the weights on each call "
+                "instead", quant.describe(), failure)
     return False
 
 
