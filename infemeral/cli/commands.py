@@ -59,6 +59,14 @@ def draft_head_path(settings: ClientSettings) -> Path | None:
 
 
 def open_client(settings: ClientSettings):
+    """The SDK's Client for these settings, with its answer index and draft sources."""
+    from infemeral.cli.gc_paused import gc_paused
+
+    with gc_paused():  # the heavy imports and the model's load
+        return _open_client(settings)
+
+
+def _open_client(settings: ClientSettings):
     from infemeral.client.client import Client
     from infemeral.speculation.answer_index import AnswerIndex
 
