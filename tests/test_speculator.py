@@ -136,3 +136,24 @@ def test_auto_without_a_head_or_draft_model_is_prompt_lookup():
     assert isinstance(auto[0], FirstOf) and [s.name for s in auto] == ["ngram+answers", "head"]
     assert session_sources("head", answers, None, head) == [head]
     assert session_sources("off", answers, None, head) == []
+
+
+def test_a_new_session_starts_from_what_earlier_sessions_learnt(clock):
+    """A costly source drafts one token until its cost is known; what a client learnt of a source (acceptance,
+    cost per draft token) is where its next session starts, so a useless head is not tried again blind."""
+    def sources():
+        return [Guesser("ngram", clock, right=0.8, proposes=0.0), Guesser("head", clock, right=0.0, seconds=0.05)]
+
+    cost, history = StepCost(), {}
+    first = Speculator(sources(), {}, 8, cost, history).propose([0, 1, 2], 8)
+    assert first.source == "head" and len(first.drafts) == 1  # unmeasured: one draft, which measures it
+    spec = Speculator(sources(), {}, 8, cost, history)
+    for n in range(1, 30):
+        proposal = spec.propose(list(range(n)), 8)
+        clock.t += 0.02
+        spec.verified(proposal, [n])
+    assert history["head"].acceptance < 0.2 and history["head"].draft_seconds == pytest.approx(0.05)
+    again = Speculator(sources(), {}, 8, cost, history).propose([0, 1, 2], 8)
+    assert again.drafts == []
+    blind = Speculator(sources(), {}, 8, cost).propose([0, 1, 2], 8)
+    assert blind.source == "head" and blind.drafts  # without the history it tries the head again

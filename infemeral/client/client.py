@@ -28,6 +28,7 @@ from infemeral.errors import FailedPrecondition, NoChatTemplate, from_rpc_error
 from infemeral.protocol import pb, pb_grpc
 from infemeral.protocol.tensors import WIRE_DTYPES
 from infemeral.speculation.answer_index import AnswerIndex
+from infemeral.speculation.draft_length import SourceHistory
 from infemeral.speculation.source import DraftSource
 from infemeral.speculation.step_cost import StepCost
 from infemeral.transport import client_channel
@@ -102,6 +103,7 @@ class Client:
             draft_head = DraftHead.load(draft_head, self.model)
         self.draft_head = draft_head  # a DraftHead: each session drafts through its own fork
         self.step_cost = StepCost()  # what an extra drafted position costs on this link, learnt across sessions
+        self.draft_history: dict[str, SourceHistory] = {}  # each draft source's acceptance and cost, ditto
 
     # -- server -------------------------------------------------------------------------------
     def server_info(self, refresh: bool = False) -> pb.ServerInfo:

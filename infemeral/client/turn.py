@@ -79,7 +79,7 @@ class TurnLoop:
                     self.messages = session.messages + self.messages[-1:]
             self.target_ids = self.render(self.messages)
             self.speculator = Speculator(session.draft_sources(self.params.speculate), session.draft_lengths,
-                                         self.params.max_draft, self.client.step_cost)
+                                         self.params.max_draft, self.client.step_cost, self.client.draft_history)
             self._open()
         except BaseException:
             self.__exit__(None, None, None)

@@ -134,3 +134,27 @@ class DraftLength:
     def _decay(self) -> None:
         self._accepted *= self.decay
         self._rejected *= self.decay
+
+    @classmethod
+    def after(cls, history: "SourceHistory", cost: StepCost) -> "DraftLength":
+        """A new session's length for a source: its prior acceptance and cost per draft token are what the
+        client learnt of that source in its earlier sessions."""
+        length = cls(cost=cost, acceptance=history.acceptance)
+        length.draft_seconds = history.draft_seconds
+        return length
+
+
+@dataclass
+class SourceHistory:
+    """What a client learnt of one draft source over its sessions: the acceptance its drafts had lately and
+    what one draft token costs the laptop. A new session starts from it instead of a blind prior — which
+    matters where sessions are short (an endpoint answering one request per session) — and then follows
+    its own text."""
+
+    acceptance: float = 0.5
+    draft_seconds: float = 0.0
+
+    def learn(self, length: DraftLength) -> None:
+        self.acceptance = length.estimated_acceptance
+        if length.draft_seconds:
+            self.draft_seconds = length.draft_seconds

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from infemeral.speculation.draft_length import DraftLength
+from infemeral.speculation.draft_length import DraftLength, SourceHistory
 from infemeral.speculation.source import DraftSource
 from infemeral.speculation.step_cost import StepCost
 
@@ -45,17 +45,21 @@ class Speculator:
     session's, by source name: they outlive the turn, so a session keeps learning across its turns)."""
 
     def __init__(self, sources: Sequence[DraftSource] | DraftSource | None, lengths: dict[str, DraftLength] |
-                 DraftLength, max_draft: int, cost: StepCost | None = None):
+                 DraftLength, max_draft: int, cost: StepCost | None = None,
+                 history: dict[str, SourceHistory] | None = None):
         if sources is None:
             sources = []
         elif not isinstance(sources, Sequence):
             sources = [sources]
         self.sources = list(sources)
+        self.history = history  # the client's, by source name: where a new session's lengths start
+        cost = cost or StepCost()
         if isinstance(lengths, DraftLength):  # one source, one length
             lengths = {s.name: lengths for s in self.sources}
         for s in self.sources:
             if s.name not in lengths:
-                lengths[s.name] = DraftLength(cost=cost or StepCost())
+                known = history.get(s.name) if history is not None else None
+                lengths[s.name] = DraftLength.after(known, cost) if known else DraftLength(cost=cost)
             lengths[s.name].max_draft = max_draft
         self.lengths = {s.name: lengths[s.name] for s in self.sources}
         self._max_draft = max_draft if self.sources else 0
@@ -95,18 +99,25 @@ class Speculator:
         drafts = proposal.drafts
         seconds = time.perf_counter() - proposal.started
         next(iter(self.lengths.values())).step_time(len(drafts) + 1, seconds)  # the link's cost: shared by all
+        learnt = set()
         if drafts:
             self.lengths[proposal.source].update(len(drafts), len(new) - 1)
+            learnt.add(proposal.source)
         elif proposal.shadow and len(self.sources) == 1:
             self.lengths[self.sources[0].name].shadow(proposal.shadow[0] == new[0])
+            learnt.add(self.sources[0].name)
         for name, guesses in proposal.shadows.items():
             if guesses and name != proposal.source:
                 self.lengths[name].shadow(guesses[0] == new[0])
+                learnt.add(name)
+        if self.history is not None:
+            for name in learnt:
+                self.history.setdefault(name, SourceHistory()).learn(self.lengths[name])
 
     # -- choosing ------------------------------------------------------------------------------------
     def _propose_one(self, source: DraftSource, context_ids: Sequence[int], room: int) -> Proposal:
         length = self.lengths[source.name]
-        k = min(length.choose(source.is_free), room)
+        k = min(length.choose(source.is_free), room, self._unmeasured_limit(source))
         if k > 0:
             drafts = self._draft(source, context_ids, k)
             return Proposal(drafts, [], time.perf_counter(), source.name)
@@ -120,7 +131,8 @@ class Speculator:
         best = None  # (rate, source, k)
         for source in self.sources:
             length = self.lengths[source.name]
-            limit = min(room, len(guesses[source.name])) if source.is_free else room
+            limit = min(room, len(guesses[source.name])) if source.is_free else min(room,
+                                                                                    self._unmeasured_limit(source))
             k = length.best_k(limit)
             if k > 0 and (best is None or length.rate(k) > best[0]):
                 best = (length.rate(k), source, k)
@@ -134,6 +146,13 @@ class Speculator:
         _, source, k = best
         drafts = guesses[source.name][:k] if source.is_free else self._draft(source, context_ids, k)
         return Proposal(drafts, [], time.perf_counter(), source.name, guesses)
+
+    def _unmeasured_limit(self, source: DraftSource) -> int:
+        """A costly source whose cost per draft token is not known yet drafts one token: that measures it, where
+        a first step of many drafts from a source as costly as the served model would be paid whole."""
+        if source.is_free or self.lengths[source.name].draft_seconds:
+            return self._max_draft
+        return 1
 
     def _draft(self, source: DraftSource, context_ids: Sequence[int], k: int) -> list[int]:
         started = time.perf_counter()
