@@ -51,6 +51,7 @@ DEFAULT_TEXT = REPO / "tests" / "data" / "kjv_genesis_37-40.txt"
 GPL3_TEXT = Path("/usr/share/common-licenses/GPL-3")
 DEFAULT_DOC = REPO / "docs" / "server_quant.md"
 TABLE_START, TABLE_END = "<!-- server-quant-table:start -->", "<!-- server-quant-table:end -->"
+FITS_MARKERS = ("<!-- server-quant-fits:start -->", "<!-- server-quant-fits:end -->")
 ROWS = ("plain", "folded", "rotated", "gains apart")
 ROW_TITLES = {"plain": "plain model, norm gains apart", "folded": "gains folded in, no rotation",
               "rotated": "folded and rotated (the pod's weights)",
@@ -465,8 +466,9 @@ def run_bundle(model: str | None, client_dir: Path, server_dir: Path, text: Path
     from infemeral.eval.perplexity import load_model
 
     if not Path(text).is_file():
-        raise ValueError(f"held text {text} not found (it ships with the repository, not the package): pass "
-                         "--text FILE, a few thousand words the model was not tuned on")
+        where = " (the default ships with the repository, not the package)" if Path(text) == DEFAULT_TEXT else ""
+        raise ValueError(f"held text {text} not found{where}: pass --text FILE, a few thousand words the model "
+                         "was not tuned on")
     plain, tokenizer = load_model(model)
     candidate = BundleSplit(client_dir, server_dir, DTYPES[dtype])
     eos = candidate.client.bundle.generation_config().eos_token_id
@@ -553,7 +555,7 @@ def kv_bytes_per_token(shape: dict, itemsize: int = 2) -> float:
 
 def fits_table(context: int = 8192, group_size: int = 64) -> str:
     """Sessions of `context` tokens that fit beside the served weights on one GPU, by model, mode and GPU size."""
-    lines = ["| model | served layers | weights GB | KV per session GB | " + " | ".join(f"{g} GB GPU" for g in GPUS_GB)
+    lines = ["| model | served layers | weights GB | KV per session GB | " + " | ".join(f"sessions on {g} GB" for g in GPUS_GB)
              + " |", "|---|---|---:|---:|" + "---:|" * len(GPUS_GB)]
     for name, shape in SHAPES.items():
         kv = kv_bytes_per_token(shape) * context / 1e9
@@ -595,9 +597,14 @@ def main(argv: list[str] | None = None) -> int:
     fits = sub.add_parser("fits", help="sessions that fit beside the served weights on one GPU (arithmetic)")
     fits.add_argument("--context", type=int, default=8192)
     fits.add_argument("--group-size", type=int, default=64)
+    fits.add_argument("--write", type=Path, nargs="?", const=REPO / "README.md", metavar="PATH",
+                      help="also put the table between the server-quant-fits markers of PATH (default: README.md)")
     args = parser.parse_args(argv)
     if args.command == "fits":
-        print(fits_table(args.context, args.group_size))
+        table = fits_table(args.context, args.group_size)
+        print(table)
+        if args.write:
+            write_block(args.write, table, *FITS_MARKERS)
         return 0
     if args.command == "table":
         return table_command(args)
