@@ -355,3 +355,27 @@ def test_the_training_prompts_are_not_the_benchmarks():
     prompts = chat_prompts()
     assert len(prompts) >= 500 and len(set(prompts)) == len(prompts)
     assert not set(prompts) & benchmark
+
+
+@pytest.mark.parametrize("faster", [1, 2])
+def test_drafting_runs_on_whichever_thread_count_drafts_faster(monkeypatch, faster):
+    """One thread or all, chosen from the proposals' own timings (a loaded CPU makes small ops wait for every
+    thread), and the caller's thread count is left as it was."""
+    import time as clock
+
+    from infemeral.speculation.draft_head import DraftThreads
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: state["threads"])
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: state.update(threads=n))
+    state = {"threads": 2}
+    threads = DraftThreads(torch.device("cpu"))
+    seen = []
+
+    def draft():
+        seen.append(state["threads"])
+        clock.sleep(0.001 if state["threads"] == faster else 0.01)
+        return [1, 2]
+
+    for _ in range(10):
+        assert threads.run(draft) == [1, 2] and state["threads"] == 2
+    assert seen[:6] == [1, 1, 1, 2, 2, 2] and set(seen[6:]) == {faster} and threads.chosen == faster
