@@ -53,8 +53,7 @@ class DraftLength:
         self._idle = 0
         self._probe_gap = self.probe_every
         self._probing = False
-        self.draft_seconds = 0.0  # measured seconds per drafted token (0 until measured; see `drafted`)
-        self._draft_samples: list[float] = []
+        self.draft_seconds = 0.0  # measured seconds per drafted token, a running mean (0 until measured)
 
     # -- estimates ------------------------------------------------------------------------------------
     @property
@@ -123,12 +122,10 @@ class DraftLength:
         return False
 
     def drafted(self, num_tokens: int, seconds: float) -> None:
-        """Drafting `num_tokens` tokens took `seconds` on the laptop. The estimate is the least of the last few
-        per-token times: a proposal that first catches up on the context (a draft model reading a new prompt,
-        or the tokens of steps it did not draft) costs more than its drafts do, once."""
+        """Drafting `num_tokens` tokens took `seconds` on the laptop."""
         if num_tokens > 0:
-            self._draft_samples = (self._draft_samples + [seconds / num_tokens])[-8:]
-            self.draft_seconds = min(self._draft_samples)
+            per = seconds / num_tokens
+            self.draft_seconds = per if not self.draft_seconds else 0.7 * self.draft_seconds + 0.3 * per
 
     def step_time(self, num_tokens: int, seconds: float) -> None:
         """The measured time of one step of `num_tokens` positions (round trip and client work)."""
