@@ -281,3 +281,19 @@ def test_the_command_line_prepares_and_evaluates_a_quantised_bundle(tiny, tmp_pa
     assert main(["prepare", str(checkpoint), "--output", str(tmp_path / "bad"), "--server-quant", "int4",
                  "--group-size", "48", "--quiet"]) == 2  # not a kernel's group size: one line, exit 2
     assert "group size must be one of 32, 64, 128, 256" in capsys.readouterr().err
+
+
+def test_int8_codes_that_start_anywhere_in_memory_run_through_the_kernel():
+    """Codes read in place from a file need not be 64-byte aligned; the CPU kernel's aligned loads crashed on them."""
+    w = outlier_weight(64, 128)
+    codes, scales = int8.quantize_rows(w)
+    backing = torch.empty(codes.numel() + 1, dtype=torch.int8)
+    backing[1:] = codes.reshape(-1)
+    misaligned = backing[1:].view(codes.shape)
+    assert misaligned.data_ptr() % 64 != 0
+    with torch.device("meta"):
+        linear = int8.Int8Linear(128, 64, bias=False)
+    linear.load_state_dict({"weight": misaligned, "scale": scales.to(torch.bfloat16)}, assign=True)
+    x = torch.randn(3, 128).to(torch.bfloat16)
+    want = x.float() @ int8.dequantize_rows(codes, scales, torch.float32).T
+    assert float((linear(x).float() - want).norm() / want.norm()) < 1e-2

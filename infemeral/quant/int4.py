@@ -226,8 +226,9 @@ class Int4Linear(torch.nn.Module):
         rows = x.reshape(-1, self.in_features)
         if self.kernel == "dequantize":
             y = F.linear(rows, dequantize(self.qweight, self.scales, self.zeros, x.dtype))
-        else:
-            y = _kernel_mm(self.kernel, rows, self.packed, self.group_size, self.params)
+        else:  # the kernel takes activations in its params' dtype only (others are read wrong, or crash)
+            y = _kernel_mm(self.kernel, rows.to(self.params.dtype), self.packed, self.group_size, self.params)
+            y = y.to(x.dtype)
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)

@@ -73,9 +73,12 @@ def aligned(t: torch.Tensor) -> torch.Tensor:
 
 
 def int8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ (codes * scales)ᵀ -> [M, N] in x's dtype; `scales` already in x's dtype."""
+    """x [M, K] @ (codes * scales)ᵀ -> [M, N] in x's dtype. The kernel reads `scales` as x's dtype without
+    checking (other activations than the weights were loaded for crash it), so they are cast when they differ."""
+    if scales.dtype != x.dtype:
+        scales = scales.to(x.dtype)
     if codes.shape[1] % 16 == 0 and has_int8_kernel(x.device.type, x.dtype):
-        return torch.ops.aten._weight_int8pack_mm(aligned(x), codes, scales)
+        return torch.ops.aten._weight_int8pack_mm(aligned(x), aligned(codes), scales)
     return x @ dequantize_rows(codes, scales, x.dtype).T
 
 
@@ -92,6 +95,11 @@ class Int8Linear(torch.nn.Module):
     @classmethod
     def like(cls, linear: torch.nn.Linear) -> "Int8Linear":
         return cls(linear.in_features, linear.out_features, linear.bias is not None)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        super()._load_from_state_dict(*args, **kwargs)
+        if self.weight.device.type != "meta":  # codes read in place from a file may start anywhere
+            self.weight = aligned(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = int8_matmul(x.reshape(-1, self.in_features), self.weight, self.scale)
