@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 import time
 
 
@@ -16,8 +17,24 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry)
 
 
+class StderrHandler(logging.StreamHandler):
+    """Writes to `sys.stderr` as it is when a record is emitted, not as it was when logging was set up: a process
+    that swaps stderr (a host embedding the command line, a test capturing it) never logs into a closed stream."""
+
+    def __init__(self):
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
 def configure(level: str = "INFO", fmt: str = "text") -> None:
-    handler = logging.StreamHandler()
+    handler = StderrHandler()
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     elif fmt == "text":

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import sys
 
 import grpc
 import pytest
@@ -120,3 +121,22 @@ def test_a_call_with_a_wrong_api_key_leaves_one_warning_without_the_key(quick_po
     assert warnings == ["call refused method=GetServerInfo status=UNAUTHENTICATED"]
     text = "\n".join(r.getMessage() for r in caplog.records)
     assert wrong not in text and API_KEY not in text
+
+
+def test_the_log_handler_follows_stderr_when_it_is_swapped(monkeypatch):
+    """A process that swaps stderr (tests capturing it, a host embedding the command line) after logging was set
+    up must not log into the old, possibly closed, stream."""
+    import io
+    import logging
+
+    from infemeral.logs import StderrHandler
+
+    first, second = io.StringIO(), io.StringIO()
+    monkeypatch.setattr(sys, "stderr", first)
+    handler = StderrHandler()
+    record = logging.LogRecord("infemeral.test", logging.WARNING, __file__, 1, "written where stderr is now", None,
+                               None)
+    first.close()
+    monkeypatch.setattr(sys, "stderr", second)
+    handler.emit(record)
+    assert "written where stderr is now" in second.getvalue()

@@ -11,6 +11,7 @@ import logging
 import sys
 from pathlib import Path
 
+from infemeral import logs
 from infemeral.cli import commands, server_errors
 from infemeral.cli.fast_exit import exit_now
 from infemeral.cli.flags import add_settings_flags
@@ -232,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None:
         exit_now(main(sys.argv[1:]))
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s",
+                        handlers=[logs.StderrHandler()])
     try:
         return COMMANDS[args.command](args)
     except InfemeralError as e:
