@@ -218,10 +218,42 @@ def random_layers(config, num_layers: int, dtype) -> list[dict]:
     return layers
 
 
+def decode_rate(stack, pool, backend, sessions: int, context: int, steps: int) -> float:
+    """Tokens per second of `steps` batched decode steps of `sessions` sessions, each prefilled with `context`
+    tokens (one at a time: bounded activation memory) in `pool`, whose pages are given back afterwards."""
+    from infemeral.kvcache.paged import PagedBatch, PagedSequence
+
+    device, dtype, hidden = pool.device, pool.dtype, stack.config.hidden_size
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    seqs = [PagedSequence(pool) for _ in range(sessions)]
+    for s in seqs:
+        s.reserve(context)
+        stack.forward_batch(torch.randn(context, hidden, device=device, dtype=dtype) * 0.1,
+                            PagedBatch(pool, [s], [context], backend))
+
+    def step():
+        for s in seqs:
+            s.reserve(s.length + 1)
+        stack.forward_batch(torch.randn(sessions, hidden, device=device, dtype=dtype) * 0.1,
+                            PagedBatch(pool, seqs, [1] * sessions, backend))
+
+    for _ in range(3):
+        step()
+    sync()
+    t = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync()
+    rate = sessions * steps / (time.perf_counter() - t)
+    for s in seqs:
+        s.wipe()
+    return rate
+
+
 def check_throughput(num_layers: int, sessions: list[int], context: int, steps: int) -> list[Check]:
     from transformers import LlamaConfig
 
-    from infemeral.kvcache.paged import PagedBatch, PagedSequence, PagePool
+    from infemeral.kvcache.paged import PagePool
     from infemeral.model.layers import LayerStack
     from infemeral.model.paged_attention import FlashInferBackend, TorchBackend
 
@@ -238,28 +270,7 @@ def check_throughput(num_layers: int, sessions: list[int], context: int, steps: 
     results: dict[tuple[str, int], float] = {}
     for n in sessions:
         for name, backend in backends.items():
-            seqs = [PagedSequence(pool) for _ in range(n)]
-            for s in seqs:  # prefill one session at a time (bounded activation memory)
-                s.reserve(context)
-                stack.forward_batch(torch.randn(context, config.hidden_size, device="cuda", dtype=dtype) * 0.1,
-                                    PagedBatch(pool, [s], [context], backend))
-
-            def step():
-                for s in seqs:
-                    s.reserve(s.length + 1)
-                stack.forward_batch(torch.randn(n, config.hidden_size, device="cuda", dtype=dtype) * 0.1,
-                                    PagedBatch(pool, seqs, [1] * n, backend))
-
-            for _ in range(3):
-                step()
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            for _ in range(steps):
-                step()
-            torch.cuda.synchronize()
-            results[(name, n)] = n * steps / (time.perf_counter() - t)
-            for s in seqs:
-                s.wipe()
+            results[(name, n)] = decode_rate(stack, pool, backend, n, context, steps)
             say(f"     {num_layers}-layer 8B shape, {n:2d} session(s) at {context} tokens, {name:10s}: "
                 f"{results[(name, n)]:8.1f} tokens/s")
     one = results[("flashinfer", sessions[0])]
@@ -443,7 +454,7 @@ def check_quantized_layers(num_layers: int, sessions: list[int], context: int, s
     the decode step against bf16 (same weights, same pages), with the PyTorch attention backend."""
     from transformers import LlamaConfig
 
-    from infemeral.kvcache.paged import PagedBatch, PagedSequence, PagePool
+    from infemeral.kvcache.paged import PagePool
     from infemeral.model.layers import LayerStack
     from infemeral.model.paged_attention import TorchBackend
     from infemeral.quant import served
@@ -474,28 +485,7 @@ def check_quantized_layers(num_layers: int, sessions: list[int], context: int, s
     rate: dict[tuple[str, int], float] = {}
     for n in sessions:
         for mode, stack in stacks.items():
-            seqs = [PagedSequence(pool) for _ in range(n)]
-            for s in seqs:
-                s.reserve(context)
-                stack.forward_batch(torch.randn(context, config.hidden_size, device="cuda", dtype=dtype) * 0.1,
-                                    PagedBatch(pool, [s], [context], backend))
-
-            def step():
-                for s in seqs:
-                    s.reserve(s.length + 1)
-                stack.forward_batch(torch.randn(n, config.hidden_size, device="cuda", dtype=dtype) * 0.1,
-                                    PagedBatch(pool, seqs, [1] * n, backend))
-
-            for _ in range(3):
-                step()
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            for _ in range(steps):
-                step()
-            torch.cuda.synchronize()
-            rate[(mode, n)] = n * steps / (time.perf_counter() - t)
-            for s in seqs:
-                s.wipe()
+            rate[(mode, n)] = decode_rate(stack, pool, backend, n, context, steps)
             say(f"     {num_layers}-layer 8B shape, {n:2d} session(s), {mode:8s}: {rate[(mode, n)]:8.1f} tokens/s")
     checks = []
     for mode, limit in (("int8", 0.55), ("int4", 0.3)):
