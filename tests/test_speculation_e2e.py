@@ -64,6 +64,30 @@ def assert_speculated(result) -> None:
     assert result.round_trips < result.generated_tokens
 
 
+def chat_at_once(clients: list[Client], messages: list[str], sampling: SamplingParams,
+                 timeout: float = 600) -> list:
+    """Each message in a new session of `clients` (taken in turn), all sessions starting their turn at once in
+    threads; the results in message order (an error in any thread fails the test)."""
+    results, errors = {}, []
+    start = threading.Barrier(len(messages))
+
+    def run(i: int) -> None:
+        try:
+            session = clients[i % len(clients)].new_session()
+            start.wait()
+            results[i] = session.chat(messages[i], sampling)
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(messages))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not errors, errors
+    return [results[i] for i in range(len(messages))]
+
+
 def test_one_turn_is_token_identical_in_fewer_round_trips(reference, client):
     question = copy(PASSAGES[0])
     expected = plain_greedy(reference, [{"role": "user", "content": question}])
@@ -127,25 +151,9 @@ def test_sessions_speculating_together_get_their_solo_tokens(reference, bundles,
     clients = [Client(f"127.0.0.1:{srv.port}", bundles.client_dir, timeout=300) for _ in range(2)]
     try:
         solo = [plain_greedy(reference, [{"role": "user", "content": copy(p)}]) for p in PASSAGES]
-        results, errors = {}, []
-        start = threading.Barrier(len(PASSAGES))
-
-        def run(i: int) -> None:
-            try:
-                session = clients[i % 2].new_session()
-                start.wait()
-                results[i] = session.chat(copy(PASSAGES[i]), greedy())
-            except BaseException as e:  # reported below
-                errors.append(e)
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PASSAGES))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
-        assert not errors, errors
-        assert [results[i].token_ids for i in range(len(PASSAGES))] == solo
-        for r in results.values():
+        results = chat_at_once(clients, [copy(p) for p in PASSAGES], greedy(), timeout=300)
+        assert [r.token_ids for r in results] == solo
+        for r in results:
             assert_speculated(r)
         assert srv.engine.stats["largest_batch"] >= 2  # verify steps shared forward passes
         assert srv.engine.pool.free_pages == srv.engine.pool.num_pages
@@ -203,26 +211,11 @@ def test_sessions_drafting_at_once_each_draft_alone(reference, server, bundles):
     questions = ["Why is the sky blue?", "What is the capital of France?"]
     expected = [plain_greedy(reference, [{"role": "user", "content": q}]) for q in questions]
     calls: list = []
-    results, errors = {}, []
-    start = threading.Barrier(len(questions))
     with Client(f"127.0.0.1:{server.port}", bundles.client_dir, timeout=300,
                 draft_model=RecordingDrafter(model, calls)) as client:
-        def run(i: int) -> None:
-            try:
-                session = client.new_session()
-                start.wait()
-                results[i] = session.chat(questions[i], greedy(speculate="draft"))
-            except BaseException as e:  # reported below
-                errors.append(e)
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(questions))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(600)
-    assert not errors, errors
-    assert [results[i].token_ids for i in range(len(questions))] == expected
-    assert all(r.drafted_tokens > 0 for r in results.values())
+        results = chat_at_once([client], questions, greedy(speculate="draft"))
+    assert [r.token_ids for r in results] == expected
+    assert all(r.drafted_tokens > 0 for r in results)
     alone = DraftModel(model)
     for _, context, max_draft, drafts in calls:
         assert drafts == alone.fork().propose(context, max_draft)
@@ -309,29 +302,13 @@ def test_sessions_drafting_from_one_head_at_once_each_draft_alone(reference, ser
 
     questions = ["Why is the sky blue?", "What is the capital of France?"]
     expected = [plain_greedy(reference, [{"role": "user", "content": q}]) for q in questions]
-    results, errors = {}, []
-    start = threading.Barrier(len(questions))
     with Client(f"127.0.0.1:{server.port}", bundles.client_dir, timeout=300) as client:
         head = DraftHead.load(random_head, client.model)
         head.fork = lambda: RecordingDrafter(head)
         client.draft_head = head
-
-        def run(i: int) -> None:
-            try:
-                session = client.new_session()
-                start.wait()
-                results[i] = session.chat(questions[i], greedy(speculate="head"))
-            except BaseException as e:  # reported below
-                errors.append(e)
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(questions))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(600)
-    assert not errors, errors
-    assert [results[i].token_ids for i in range(len(questions))] == expected
-    assert all(r.drafted_tokens > 0 for r in results.values())
+        results = chat_at_once([client], questions, greedy(speculate="head"))
+    assert [r.token_ids for r in results] == expected
+    assert all(r.drafted_tokens > 0 for r in results)
     drafters = {c[0] for c in calls}
     assert len(drafters) == len(questions)  # one drafter per session
     for drafter in drafters:
