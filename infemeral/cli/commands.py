@@ -77,9 +77,7 @@ def _open_client(settings: ClientSettings):
     if settings.speculate == "head" and head is None:
         raise InfemeralError("--speculate head needs --draft-head PATH (`infemeral-client train-drafter` trains one "
                              "for your model)")
-    client = Client(settings.server, settings.client_bundle, timeout=settings.timeout, tls_ca=settings.tls_ca,
-                    tls_client_cert=settings.tls_client_cert, tls_client_key=settings.tls_client_key,
-                    tls_server_name=settings.tls_server_name, api_key=settings.api_key,
+    client = Client(settings.server, settings.client_bundle, **settings.connection(),
                     client_dtype=settings.client_dtype, client_device=settings.client_device,
                     client_quant=settings.client_quant)
     try:

@@ -34,9 +34,7 @@ class ServerLink:
     @classmethod
     def from_settings(cls, settings) -> "ServerLink":
         """From a `ClientSettings`."""
-        return cls(settings.server, settings.client_bundle, timeout=settings.timeout, tls_ca=settings.tls_ca,
-                   tls_client_cert=settings.tls_client_cert, tls_client_key=settings.tls_client_key,
-                   tls_server_name=settings.tls_server_name, api_key=settings.api_key)
+        return cls(settings.server, settings.client_bundle, **settings.connection())
 
     @property
     def server_fingerprint(self) -> str:

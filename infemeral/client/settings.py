@@ -86,6 +86,12 @@ class ClientSettings(BaseSettings):
             self.api_key = keys[0]
         return self
 
+    def connection(self) -> dict:
+        """How a `Client` or a `ServerLink` reaches the server: their keyword arguments beside the address and
+        the client bundle."""
+        return dict(timeout=self.timeout, tls_ca=self.tls_ca, tls_client_cert=self.tls_client_cert,
+                    tls_client_key=self.tls_client_key, tls_server_name=self.tls_server_name, api_key=self.api_key)
+
     def sampling(self, model_defaults: dict | None = None) -> SamplingParams:
         """Sampling parameters from these settings. `model_defaults` (the model's generation config, see
         `sampling.generation_defaults`) replaces the settings' own defaults, not values given by flag or env."""
