@@ -13,7 +13,9 @@ secret basis Q, and the fingerprint of the server bundle it matches.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +27,7 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig, Pretrained
 from infemeral.cloak.manifest import (CLIENT_FORMAT, FORMAT_VERSION, QUANTIZED_FORMAT_VERSION,  # noqa: F401
                                       SERVER_FORMAT, fingerprint, read_manifest)
 from infemeral.errors import FailedPrecondition
+from infemeral.model.architecture import SUPPORTED
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -98,6 +101,27 @@ class ServerBundle:
         return dequantize_layer(self.layer_weights(index), dtype)
 
 
+def stored_config(directory: Path) -> PretrainedConfig:
+    """The model's config as `prepare` stored it, read without the model family's config class.
+
+    Importing a family's config class (transformers 5) brings transformers' weight-loading and
+    distributed stacks along: 0.7 s of every start of a laptop's command. `prepare` stores every attribute
+    the family's class resolved (rope parameters, layer types, head size), so the stored values are the
+    class's own (tests/test_plain_decoder.py compares them for every supported family). A config that
+    lacks them (another family, an older layout) is read through transformers' class as before.
+    """
+    data = json.loads((directory / "config.json").read_text())
+    model_type = data.get("model_type")
+    if model_type not in SUPPORTED or "rope_parameters" not in data:
+        return AutoConfig.from_pretrained(directory)
+    return _stored_config_class(model_type).from_dict(data)
+
+
+@functools.cache
+def _stored_config_class(model_type: str) -> type[PretrainedConfig]:
+    return type(f"Stored{SUPPORTED[model_type]}Config", (PretrainedConfig,), {"model_type": model_type})
+
+
 @dataclass
 class ClientBundle:
     directory: Path
@@ -116,7 +140,7 @@ class ClientBundle:
     def open(cls, directory: str | Path) -> "ClientBundle":
         directory = Path(directory).expanduser()
         manifest = read_manifest(directory, CLIENT_FORMAT)
-        return cls(directory, manifest, AutoConfig.from_pretrained(directory))
+        return cls(directory, manifest, stored_config(directory))
 
     def tokenizer(self):
         return AutoTokenizer.from_pretrained(self.directory / "tokenizer")

@@ -1,4 +1,5 @@
-"""Attention over an infemeral KV cache, registered with transformers.
+"""Attention over an infemeral KV cache: the attention function transformers' layers call (registered as
+`NAME` by transformers_modeling.py) and plain_decoder.py's layers call directly.
 
 The model's own attention modules do the projections, q/k norms and RoPE and
 then call this function with the full keys/values the cache returned. Queries
@@ -14,8 +15,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from infemeral.model.transformers_modeling import AttentionInterface
 
 NAME = "infemeral_cache"
 
@@ -53,5 +52,3 @@ def cache_attention(module, query, key, value, attention_mask=None, scaling=None
         return paged.attend(module.layer_idx, query, scaling, sliding_window), None
     return attend(query, key, value, scaling, sliding_window).contiguous(), None
 
-
-AttentionInterface.register(NAME, cache_attention)

@@ -2,8 +2,10 @@
 
 Both halves of the split use this: the client for its first `client_layers`
 layers (plain weights), the server for the rest (folded, rotated weights).
-The layers are transformers' own classes; only the cache and the attention
-function (see `attention.py`) are ours.
+The server's layers are transformers' own classes; only the cache and the
+attention function (see `attention.py`) are ours. The client's are plain_decoder.py's
+twins of them (the same arithmetic, without importing transformers' modeling code),
+where they handle the model.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 from transformers import PretrainedConfig
 
 from infemeral.kvcache.cache import KVCache
-from infemeral.model import architecture
+from infemeral.model import architecture, plain_decoder
 from infemeral.model.attention import NAME as ATTENTION
 
 
@@ -36,15 +38,19 @@ class LayerStack(torch.nn.Module):
     def __init__(self, config: PretrainedConfig, first_layer: int,
                  layer_weights: list[Mapping[str, torch.Tensor]],
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 adapt_layer: Callable[[torch.nn.Module], None] | None = None):
+                 adapt_layer: Callable[[torch.nn.Module], None] | None = None, plain: bool = False):
         """`adapt_layer` may swap modules of each (meta-device) layer before its weights load, e.g. int8
-        linears; tensors that are not floating point (int8 codes) keep their dtype."""
+        linears; tensors that are not floating point (int8 codes) keep their dtype. `plain` runs
+        plain_decoder.py's layers where they handle the model (a process that must start fast)."""
         super().__init__()
         self.config = runtime_config(config)
         self.first_layer = first_layer
         self.dtype = dtype
         self.device = torch.device(device)
-        layer_cls = architecture.decoder_layer_class(config)
+        if plain and plain_decoder.handles(config):
+            layer_cls, rotary_cls = plain_decoder.DecoderLayer, plain_decoder.RotaryEmbedding
+        else:
+            layer_cls, rotary_cls = architecture.decoder_layer_class(config), architecture.rotary_embedding_class(config)
         layers = []
         for i, weights in enumerate(layer_weights):
             with torch.device("meta"):
@@ -55,7 +61,7 @@ class LayerStack(torch.nn.Module):
                                    for k, v in weights.items()}, strict=True, assign=True)
             layers.append(layer.eval())
         self.layers = torch.nn.ModuleList(layers)
-        self.rotary = architecture.rotary_embedding_class(config)(config=self.config).to(self.device)
+        self.rotary = rotary_cls(config=self.config).to(self.device)
         self.requires_grad_(False)
 
     def new_cache(self, capacity: int = 256) -> KVCache:

@@ -1,4 +1,4 @@
-"""transformers' modeling code, imported without hqq.
+"""transformers' modeling code, imported without hqq and with infemeral's cache attention registered.
 
 transformers imports hqq whenever it is installed (for a quantised KV cache
 that infemeral never uses), and hqq's class bodies call `torch.compile`, which
@@ -32,4 +32,6 @@ if "transformers.cache_utils" not in sys.modules:
 
 from transformers import AttentionInterface  # noqa: E402
 
-__all__ = ["AttentionInterface"]
+from infemeral.model.attention import NAME, cache_attention  # noqa: E402
+
+AttentionInterface.register(NAME, cache_attention)

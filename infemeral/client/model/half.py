@@ -22,7 +22,7 @@ from infemeral.client.model.compute import resolve_compute
 from infemeral.client.model.tables import DenseTokenTable, Int8TokenTable
 from infemeral.cloak.bundle import ClientBundle, dtype_name
 from infemeral.kvcache.cache import KVCache
-from infemeral.model import architecture
+from infemeral.model import plain_decoder
 from infemeral.model.layers import LayerStack
 from infemeral.quant import int8
 
@@ -57,7 +57,7 @@ class ClientModel:
         self.packs = not is_int8 and packed.packs(self.device.type, self.dtype)
         per_layer = [self._layer_weights(tensors, i, stored_quant) for i in range(client_layers)]
         self.layers = LayerStack(config, 0, per_layer, dtype=self.dtype, device=self.device,
-                                 adapt_layer=int8.use_int8_linears if is_int8 else None)
+                                 adapt_layer=int8.use_int8_linears if is_int8 else None, plain=True)
         del per_layer
         if self.packs:
             packed.pack_linears(self.layers)
@@ -68,8 +68,7 @@ class ClientModel:
             self.head = packed.PackedHead(tensors["lm_head.weight"].to(self.device, self.dtype))
         else:
             self.head = self._table(tensors, "lm_head", stored_quant)
-        norm_cls = architecture.norm_class(config)
-        self.norm = norm_cls(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = plain_decoder.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)  # every family's own
         self.norm.weight.data = tensors["norm.weight"].to(self.device, self.dtype)
         self.norm.requires_grad_(False)
         self.basis = basis.to(self.device, self.dtype)
