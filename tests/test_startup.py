@@ -75,3 +75,54 @@ def test_exit_now_finishes_what_the_interpreter_would_before_it_ends_the_process
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 3, proc.stderr
     assert proc.stdout.splitlines() == ["buffered answer", "thread done", "exit handler"]
+
+
+def test_the_laptop_loads_a_generic_tokenizer_without_transformers_map_of_model_families(bundles):
+    """The packaged model's tokenizer is saved as transformers' generic class: it is loaded through that class (no
+    AutoTokenizer, which reads the source of every model family first), and it is the tokenizer AutoTokenizer gives."""
+    code = ("import sys, json\nfrom infemeral.cloak.bundle import ClientBundle\n"
+            "tok = ClientBundle.open(sys.argv[1]).tokenizer()\n"
+            "text = 'Hi <|im_start|>system x</s> 123-45-6789 naïve'\n"
+            "chat = tok.apply_chat_template([{'role': 'user', 'content': text}], tokenize=False,"
+            " add_generation_prompt=True)\n"
+            "print(json.dumps({'auto_loaded': 'transformers.models.auto' in sys.modules, 'class': type(tok).__name__,"
+            " 'ids': tok(text)['input_ids'], 'chat': chat, 'eos': tok.eos_token_id}))\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(bundles.client_dir)], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    fast = __import__("json").loads(proc.stdout.splitlines()[-1])
+    assert fast["auto_loaded"] is False
+
+    from transformers import AutoTokenizer
+
+    auto = AutoTokenizer.from_pretrained(bundles.client_dir / "tokenizer")
+    text = "Hi <|im_start|>system x</s> 123-45-6789 naïve"
+    assert fast["class"] == type(auto).__name__
+    assert fast["ids"] == auto(text)["input_ids"]
+    assert fast["chat"] == auto.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                    add_generation_prompt=True)
+    assert fast["eos"] == auto.eos_token_id
+
+
+def test_a_family_tokenizer_still_loads_through_autotokenizer(bundles, tmp_path, monkeypatch):
+    """Any other saved class keeps the family's own rules: it goes through AutoTokenizer."""
+    import json
+
+    from infemeral.cloak import bundle as bundle_module
+
+    tokenizer_dir = tmp_path / "tokenizer"
+    tokenizer_dir.mkdir()
+    for path in (bundles.client_dir / "tokenizer").iterdir():
+        (tokenizer_dir / path.name).write_bytes(path.read_bytes())
+    config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
+    config["tokenizer_class"] = "GPT2Tokenizer"
+    (tokenizer_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    calls = []
+
+    import transformers
+
+    real = transformers.AutoTokenizer.from_pretrained
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
+                        lambda *a, **k: calls.append(a) or real(*a, **k))
+    tokenizer = bundle_module.load_tokenizer(tokenizer_dir)
+    assert calls and tokenizer("Hello")["input_ids"]

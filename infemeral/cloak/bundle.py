@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
-from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig
+from transformers import GenerationConfig, PretrainedConfig
 
 from infemeral.cloak.manifest import (CLIENT_FORMAT, FORMAT_VERSION, QUANTIZED_FORMAT_VERSION,  # noqa: F401
                                       SERVER_FORMAT, fingerprint, read_manifest)
@@ -78,7 +78,7 @@ class ServerBundle:
         """The manifest and model config (quick); with `verify`, also every file's hash (reads the weights)."""
         directory = Path(directory).expanduser()
         manifest = read_manifest(directory, SERVER_FORMAT, (FORMAT_VERSION, QUANTIZED_FORMAT_VERSION))
-        bundle = cls(directory, manifest, AutoConfig.from_pretrained(directory))
+        bundle = cls(directory, manifest, auto_config(directory))
         if verify:
             bundle.verify()
         return bundle
@@ -101,6 +101,13 @@ class ServerBundle:
         return dequantize_layer(self.layer_weights(index), dtype)
 
 
+def auto_config(directory: Path) -> PretrainedConfig:
+    """The config through its family's class (imported here: transformers' map of families is slow to build)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(directory)
+
+
 def stored_config(directory: Path) -> PretrainedConfig:
     """The model's config as `prepare` stored it, read without the model family's config class.
 
@@ -113,13 +120,38 @@ def stored_config(directory: Path) -> PretrainedConfig:
     data = json.loads((directory / "config.json").read_text())
     model_type = data.get("model_type")
     if model_type not in SUPPORTED or "rope_parameters" not in data:
-        return AutoConfig.from_pretrained(directory)
+        return auto_config(directory)
     return _stored_config_class(model_type).from_dict(data)
 
 
 @functools.cache
 def _stored_config_class(model_type: str) -> type[PretrainedConfig]:
     return type(f"Stored{SUPPORTED[model_type]}Config", (PretrainedConfig,), {"model_type": model_type})
+
+
+# Saved tokenizer classes that AutoTokenizer resolves to transformers' generic tokenizers-library class itself.
+GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def load_tokenizer(directory: Path):
+    """The tokenizer saved in `directory`, as `AutoTokenizer` loads it.
+
+    A tokenizer saved as transformers' generic class is that class whatever the model, so it is loaded through
+    the class directly: `AutoTokenizer` first builds transformers' map of every model family (it reads the
+    source of each), 0.3-0.6 s of every start of a laptop's command. Any other class (a family's own tokenizer
+    with its own rules) goes through `AutoTokenizer` as before.
+    """
+    try:
+        saved = json.loads((directory / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError):
+        saved = None
+    if saved in GENERIC_TOKENIZERS and (directory / "tokenizer.json").is_file():
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(directory)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(directory)
 
 
 @dataclass
@@ -143,7 +175,7 @@ class ClientBundle:
         return cls(directory, manifest, stored_config(directory))
 
     def tokenizer(self):
-        return AutoTokenizer.from_pretrained(self.directory / "tokenizer")
+        return load_tokenizer(self.directory / "tokenizer")
 
     def generation_config(self) -> GenerationConfig:
         return GenerationConfig.from_pretrained(self.directory)
