@@ -25,6 +25,7 @@ from infemeral.errors import FailedPrecondition
 from infemeral.kvcache.cache import KVCache
 from infemeral.model.architecture import NORM_FEEDS, WRITES_RESIDUAL
 from infemeral.model.layers import LayerStack
+from infemeral.model.architecture import cache_keyword
 
 
 @dataclass
@@ -83,8 +84,8 @@ class PublicWeights:
         cos_sin = self.front.rotary(x, positions)
         cache = _SharedPrefix(prefix)
         for layer in self.front.layers:
-            x = layer(x, attention_mask=None, position_ids=positions, past_key_values=cache,
-                      position_embeddings=cos_sin)
+            x = layer(x, attention_mask=None, position_ids=positions, position_embeddings=cos_sin,
+                      **{cache_keyword(layer): cache})
         return x[:, 0]
 
     @torch.inference_mode()
@@ -95,8 +96,9 @@ class PublicWeights:
         positions = torch.full((hidden.shape[0], 1), position, dtype=torch.long)
         capture = _Capture()
         try:
-            self.served.layers[0](x, attention_mask=None, position_ids=positions, past_key_values=capture,
-                                  position_embeddings=self.served.rotary(x, positions))
+            self.served.layers[0](x, attention_mask=None, position_ids=positions,
+                                  position_embeddings=self.served.rotary(x, positions),
+                                  **{cache_keyword(self.served.layers[0]): capture})
         except _Captured:
             pass  # the rest of the layer (attention, MLP) is not needed
         return torch.cat([capture.key[:, :, 0].flatten(1), capture.value[:, :, 0].flatten(1)], 1)

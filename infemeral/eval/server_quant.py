@@ -263,7 +263,8 @@ class PlainReference:
 
     @torch.inference_mode()
     def logits(self, ids: list[int], cache) -> torch.Tensor:
-        return self.model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True).logits[0].float()
+        return self.model(input_ids=torch.tensor([ids]), use_cache=True,
+                          **{architecture.cache_keyword(self.model): cache}).logits[0].float()
 
 
 # -- the measures ---------------------------------------------------------------------------------------------

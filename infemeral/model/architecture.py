@@ -9,7 +9,9 @@ refused rather than served wrong.
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
 
 from transformers import PretrainedConfig
 
@@ -71,3 +73,15 @@ def rotary_embedding_class(config: PretrainedConfig):
 
 def norm_class(config: PretrainedConfig):
     return getattr(modeling_module(config), SUPPORTED[config.model_type] + "RMSNorm")
+
+
+def cache_keyword(module) -> str:
+    """The keyword `module`'s forward takes its KV cache by: `cache` in transformers releases that renamed it (the
+    old `past_key_values` still works there, with a FutureWarning on every call), `past_key_values` before them
+    and in infemeral's own plain-torch layers."""
+    return _cache_keyword(type(module))
+
+
+@functools.cache
+def _cache_keyword(cls: type) -> str:
+    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"

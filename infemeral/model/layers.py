@@ -77,8 +77,8 @@ class LayerStack(torch.nn.Module):
         cos_sin = self.rotary(x, positions)
         cache.begin_step()
         for layer in self.layers:
-            x = layer(x, attention_mask=None, position_ids=positions, past_key_values=cache,
-                      position_embeddings=cos_sin)
+            x = layer(x, attention_mask=None, position_ids=positions, position_embeddings=cos_sin,
+                      **{architecture.cache_keyword(layer): cache})
         cache.finish_step(n)
         return x[0]
 
@@ -88,7 +88,7 @@ class LayerStack(torch.nn.Module):
         x = hidden.to(self.device, self.dtype).unsqueeze(0)
         cos_sin = self.rotary(x, batch.positions)
         for layer in self.layers:
-            x = layer(x, attention_mask=None, position_ids=batch.positions, past_key_values=batch,
-                      position_embeddings=cos_sin, paged=batch)
+            x = layer(x, attention_mask=None, position_ids=batch.positions, position_embeddings=cos_sin,
+                      paged=batch, **{architecture.cache_keyword(layer): batch})
         batch.finish()
         return x[0]

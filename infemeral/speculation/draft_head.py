@@ -149,8 +149,8 @@ class HeadModel(torch.nn.Module):
         cos_sin = self.rotary(x, positions)
         if cache is not None:
             cache.begin_step()
-        x = self.layers[0](x, attention_mask=None, position_ids=positions, past_key_values=cache,
-                           position_embeddings=cos_sin)
+        x = self.layers[0](x, attention_mask=None, position_ids=positions, position_embeddings=cos_sin,
+                           **{architecture.cache_keyword(self.layers[0]): cache})
         if cache is not None:
             cache.finish_step(n)
         return x

@@ -25,6 +25,7 @@ import torch
 
 from infemeral.errors import FailedPrecondition
 from infemeral.kvcache.prefix import common_prefix
+from infemeral.model.architecture import cache_keyword
 
 
 def tokenizer_mismatch(target, draft) -> str | None:
@@ -126,7 +127,7 @@ class DraftModel:
         return self._forward(context[keep:])
 
     def _forward(self, ids: list[int]) -> torch.Tensor:
-        out = self.model(torch.tensor([ids]), past_key_values=self._cache, use_cache=True)
+        out = self.model(torch.tensor([ids]), use_cache=True, **{cache_keyword(self.model): self._cache})
         self._cache = out.past_key_values
         self._seen += ids
         return out.logits[0, -1]

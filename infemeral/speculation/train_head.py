@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from infemeral.speculation.draft_head import DraftHead, HeadModel, layer_config, probe_of, save_head
 from infemeral.speculation.head_prompts import chat_prompts
 from infemeral.speculation.train_settings import DEFAULT_CACHE, TrainSettings
+from infemeral.model.architecture import cache_keyword
 
 log = logging.getLogger(__name__)
 DATA_FORMAT = 5
@@ -190,8 +191,8 @@ def answer(model, tokenizer, prompts: list[list[int]], *, max_new_tokens: int, b
         ids, mask = ids.to(device), mask.to(device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=runner.config)
-        hidden = body(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                      use_cache=True).last_hidden_state
+        hidden = body(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                      **{cache_keyword(body): cache}).last_hidden_state
         steps = [hidden.float().cpu()]
         tokens = [lm_head(hidden[:, -1]).argmax(-1)]
         is_done = torch.tensor([int(t) in eos for t in tokens[0]])
