@@ -116,6 +116,33 @@ def test_gptq_lowers_the_output_error_of_round_to_nearest():
         0.8 * output_error(x, w, int8.dequantize_rows(codes, scales, torch.float32))
 
 
+def test_clipped_grids_round_groups_with_an_outlier_closer_than_their_full_range():
+    w = outlier_weight()
+    full = int4.dequantize(**int4.quantize_rtn(w, 64))  # round-to-nearest over each group's min..max
+    scales, zeros = int4.round_params(*int4.clipped_params(int4.group_view(w, 64)))
+    clipped = int4.dequantize(**int4.stored(int4.codes_for(w, scales, zeros), scales, zeros))
+    norm = lambda d: float(d.abs().pow(int4.CLIP_NORM).sum())  # noqa: E731 - what the search minimises
+    assert norm(clipped - w) < 0.95 * norm(full - w)
+    assert torch.all(scales.float() <= int4.minmax_params(int4.group_view(w, 64))[0] * 1.01)  # never wider
+
+
+def test_gptq_in_activation_order_keeps_groups_in_column_order_and_lowers_the_error():
+    """Columns taken loudest input first: the codes and grids are stored where the kernel reads them (column j's
+    code in column j, group g's grid from columns g·size…), and the output error falls."""
+    w, x = outlier_weight(), correlated_inputs()
+    x[:, 100] *= 20  # the loudest input sits late in the weight: taken first in activation order
+    h = x.T @ x
+    plain = gptq.quantize_gptq_int4(w, h, 32, fit=int4.minmax_params, act_order=False)
+    ordered = gptq.quantize_gptq_int4(w, h, 32, fit=int4.minmax_params, act_order=True)
+    assert output_error(x, w, int4.dequantize(**ordered)) < output_error(x, w, int4.dequantize(**plain))
+    # the grids are the static ones of the weight's own groups, in place
+    scales, zeros = int4.round_params(*int4.minmax_params(int4.group_view(w, 32)))
+    assert torch.equal(ordered["scales"], scales) and torch.equal(ordered["zeros"], zeros)
+    # with an identity Hessian GPTQ has no error to spread: every code is round-to-nearest on that grid
+    exact = gptq.quantize_gptq_int4(w, torch.eye(w.shape[1]), 32, fit=int4.minmax_params, act_order=True)
+    assert torch.equal(int4.unpack_nibbles(exact["qweight"]), int4.codes_for(w, scales, zeros))
+
+
 def test_scheme_checks_and_manifest_round_trip():
     assert ServerQuant("int4").to_manifest() == {"scheme": "int4", "method": served.DEFAULT_METHOD["int4"],
                                                  "group_size": served.DEFAULT_GROUP_SIZE,

@@ -91,6 +91,31 @@ def minmax_params(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return scale, lo + MID * scale
 
 
+CLIP_STEPS = 20      # shrink factors tried per group by `clipped_params`: 1, 0.99, ... down to 1 - (steps - 1)/100
+CLIP_NORM = 2.4      # the error norm the search minimises (GPTQ's reference code uses 2.4: between mean and max)
+
+
+def clipped_params(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric grid over each group's range shrunk towards its middle by the factor, of those tried, that
+    rounds the group with the least error: a lone outlier stretches a min..max grid over 16 levels that the
+    other weights then share coarsely; giving it up (clipped) spends the levels where most weights are."""
+    lo, hi = groups.amin(-1), groups.amax(-1)
+    best_scale, best_zero = minmax_params(groups)
+    best_err = torch.full_like(lo, float("inf"))
+    for step in range(CLIP_STEPS):
+        span = (hi - lo) * (1 - step / 100)
+        low = (lo + hi - span) / 2
+        scale, zero = round_params(span / 15, low + MID * span / 15)
+        s, z = scale.float().unsqueeze(-1), zero.float().unsqueeze(-1)
+        q = torch.round((groups - z) / s + MID).clamp_(0, 15)
+        err = ((q - MID) * s + z - groups).abs_().pow_(CLIP_NORM).sum(-1)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_scale = torch.where(better, scale.float(), best_scale)
+        best_zero = torch.where(better, zero.float(), best_zero)
+    return best_scale, best_zero
+
+
 def symmetric_params(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric grid (codes -7..7 around zero), the textbook round-to-nearest baseline."""
     scale = groups.abs().amax(-1) / 7

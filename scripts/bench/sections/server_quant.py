@@ -35,7 +35,8 @@ from bench.sections import Result
 NAME = "server_quant"
 TITLE = "Quantised served layers: quality, bytes, resident weights, decode step"
 MODES = {"int8": dict(server_quant="int8"), "int4": dict(server_quant="int4")}  # each with its defaults
-EXTRA_INT4 = {"int4 hqq": dict(server_quant="int4", quant_method="hqq"),
+EXTRA_INT4 = {"int4 g=32": dict(server_quant="int4", group_size=32),  # the default method at the finer groups
+              "int4 hqq": dict(server_quant="int4", quant_method="hqq"),
               "int4 rtn": dict(server_quant="int4", quant_method="rtn")}
 INT8_PPL, INT4_PPL, BASELINE_PPL = 1.01, 1.15, 1.24
 INT4_BYTES, INT8_RESIDENT, INT4_RESIDENT = 0.3, 0.55, 0.3
