@@ -343,6 +343,36 @@ def test_train_drafter_writes_a_head_this_model_loads_and_reuses_its_data(chat_t
     assert again.answer_tokens == report.answer_tokens
 
 
+def test_the_held_out_measurement_steps_through_answers_as_a_session_does():
+    """A step starts after the drafts the last one kept and the model's own token, where a head tends to be
+    wrong; drafting at every position instead counts the easy ones again. This head is right exactly where the
+    context has an even length: every position's first draft is right half the time, a session's every time
+    after its first step (a kept draft and the model's token: two tokens, the parity kept)."""
+    from types import SimpleNamespace
+
+    from infemeral.speculation.train_head import TrainingData, measure
+
+    observed = []
+
+    class EvenDrafter:
+        def observe(self, ids, features):
+            observed.append((len(ids), features[:, 0].tolist()))
+
+        def propose(self, ids, k):
+            n = len(ids)
+            return list(range(n, n + k)) if n % 2 == 0 else [-1] * k
+
+    head = SimpleNamespace(vocab=SimpleNamespace(target_ids=None), fork=EvenDrafter)
+    ids = torch.arange(41)  # the token at position i is i; the feature of position i is i too
+    data = TrainingData([ids], [ids.float()[:, None]], [10])  # the answer: positions 10 to 40
+    first, per_step, coverage = measure(head, data, 1, progress=False)
+    # steps after contexts of 11 (wrong: one token), then 12, 14, ..., 40 (right: two tokens each)
+    assert first == pytest.approx(15 / 16) and per_step == pytest.approx(31 / 16)  # at every position: 1/2, 3/2
+    assert coverage == 1.0
+    for length, features in observed:  # each step's verified positions, up to the last kept draft
+        assert features == list(range(length - len(features), length))
+
+
 def test_the_training_prompts_are_not_the_benchmarks():
     import ast
     from pathlib import Path

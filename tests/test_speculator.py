@@ -145,6 +145,7 @@ def test_a_new_session_starts_from_what_earlier_sessions_learnt(clock):
         return [Guesser("ngram", clock, right=0.8, proposes=0.0), Guesser("head", clock, right=0.0, seconds=0.05)]
 
     cost, history = StepCost(), {}
+    cost.add(1, 0.02)  # a plain step was timed: drafts are weighed against it
     first = Speculator(sources(), {}, 8, cost, history).propose([0, 1, 2], 8)
     assert first.source == "head" and len(first.drafts) == 1  # unmeasured: one draft, which measures it
     spec = Speculator(sources(), {}, 8, cost, history)
@@ -157,3 +158,25 @@ def test_a_new_session_starts_from_what_earlier_sessions_learnt(clock):
     assert again.drafts == []
     blind = Speculator(sources(), {}, 8, cost).propose([0, 1, 2], 8)
     assert blind.source == "head" and blind.drafts  # without the history it tries the head again
+
+
+def test_a_plain_step_is_timed_before_any_step_carries_drafts(clock):
+    """What drafts save is weighed against a one-token step, so one is timed first — and again once the last
+    has faded — even where a source would draft at every step: steps of 2 to 9 positions alone show nothing
+    of what a plain step costs (on a CPU the second position alone costs a quarter of a step)."""
+    cost = StepCost(decay=0.9)
+    spec = Speculator([Guesser("ngram", clock, right=0.9)], {}, 8, cost)
+    sizes, context = [], [0]
+    while len(sizes) < 80:
+        proposal = spec.propose(context, 8)
+        clock.t += 0.172 if not proposal.drafts else 0.215 + 0.005 * (len(proposal.drafts) - 1)
+        n = len(context)
+        accepted = next((j for j, d in enumerate(proposal.drafts) if d != n + j), len(proposal.drafts))
+        new = list(range(n, n + accepted + 1))
+        spec.verified(proposal, new)
+        context += new
+        sizes.append(len(proposal.drafts) + 1)
+    assert sizes[0] == 1 and all(n > 1 for n in sizes[1:25])
+    plain = [i for i, n in enumerate(sizes) if n == 1]
+    assert len(plain) > 1 and all(b - a < 40 for a, b in zip(plain, plain[1:]))  # timed again, now and then
+    assert sizes.count(1) < 0.1 * len(sizes)

@@ -102,7 +102,7 @@ class Client:
 
             draft_head = DraftHead.load(draft_head, self.model)
         self.draft_head = draft_head  # a DraftHead: each session drafts through its own fork
-        self.step_cost = StepCost()  # what an extra drafted position costs on this link, learnt across sessions
+        self.step_cost = StepCost()  # what a step of each size costs on this link, learnt across sessions
         self.draft_history: dict[str, SourceHistory] = {}  # each draft source's acceptance and cost, ditto
 
     # -- server -------------------------------------------------------------------------------

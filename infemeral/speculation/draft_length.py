@@ -25,11 +25,11 @@ class DraftLength:
     Two running estimates, both decaying so the choice follows the text:
     - acceptance a: accepted drafts / (accepted + rejections) — the chance a draft is right
       given the previous one was (the geometric model);
-    - cost r: the extra time of one more position in a step, relative to a one-token step,
-      fitted from the measured step times (a round trip of 80 ms makes r tiny, a local
-      server on a CPU makes it larger). It is a property of the link and the machines, not of
-      the text, so a `Client` shares one `StepCost` among its sessions.
-    k maximises tokens per unit of time, (1 + a + … + a^k) / (1 + (r + c)·k), so it grows while
+    - the time of a step of k + 1 positions relative to a one-token step, s(k + 1), from the
+      measured step times per size (`StepCost`: a round trip of 80 ms makes extra positions
+      cheap, a local server on a CPU dear). It is a property of the link and the machines, not
+      of the text, so a `Client` shares one `StepCost` among its sessions.
+    k maximises tokens per unit of time, (1 + a + … + a^k) / (s(k + 1) + c·k), so it grows while
     drafts are accepted and falls to 0 when they keep failing; c is what drafting one token costs
     the laptop relative to a one-token step (`drafted`: 0 for a free source, the measured time of
     a draft head or draft model otherwise). A free source (n-grams) is
@@ -61,10 +61,6 @@ class DraftLength:
         return self._accepted / max(self._accepted + self._rejected, 1e-9)
 
     @property
-    def estimated_cost_ratio(self) -> float:
-        return self.cost.ratio()
-
-    @property
     def estimated_draft_cost(self) -> float:
         """Drafting one token, relative to a one-token step (0 for a free source or before any measurement)."""
         if not self.draft_seconds:
@@ -74,8 +70,8 @@ class DraftLength:
 
     def rate(self, k: int) -> float:
         """Tokens per unit of time with k drafts, relative to a plain one-token step."""
-        a, r, c = self.estimated_acceptance, self.estimated_cost_ratio, self.estimated_draft_cost
-        return expected_tokens(a, k) / (1 + (r + c) * k)
+        a, c = self.estimated_acceptance, self.estimated_draft_cost
+        return expected_tokens(a, k) / (self.cost.relative(k + 1) + c * k)
 
     def best_k(self, limit: int | None = None) -> int:
         """The k (at most `limit`, if given) that maximises `rate`, or 0 if no k beats a plain step."""

@@ -81,6 +81,8 @@ class Speculator:
         `room` of them."""
         if not self.sources:
             return Proposal([], [], time.perf_counter())
+        if not next(iter(self.lengths.values())).cost.is_timed(1):
+            room = 0  # a plain step first: what every draft length saves is weighed against its time
         if len(self.sources) == 1:
             return self._propose_one(self.sources[0], context_ids, room)
         return self._propose_best(context_ids, room)
@@ -117,7 +119,7 @@ class Speculator:
     # -- choosing ------------------------------------------------------------------------------------
     def _propose_one(self, source: DraftSource, context_ids: Sequence[int], room: int) -> Proposal:
         length = self.lengths[source.name]
-        k = min(length.choose(source.is_free), room, self._unmeasured_limit(source))
+        k = min(length.choose(source.is_free), room, self._unmeasured_limit(source)) if room > 0 else 0
         if k > 0:
             drafts = self._draft(source, context_ids, k)
             return Proposal(drafts, [], time.perf_counter(), source.name)
