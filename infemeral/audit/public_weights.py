@@ -23,9 +23,8 @@ from infemeral.cloak.bundle import ServerBundle
 from infemeral.cloak.sources import WeightSource, layer_tensors
 from infemeral.errors import FailedPrecondition
 from infemeral.kvcache.cache import KVCache
-from infemeral.model.architecture import NORM_FEEDS, WRITES_RESIDUAL
+from infemeral.model.architecture import NORM_FEEDS, WRITES_RESIDUAL, cache_keyword
 from infemeral.model.layers import LayerStack
-from infemeral.model.architecture import cache_keyword
 
 
 @dataclass

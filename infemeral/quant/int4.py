@@ -100,7 +100,7 @@ def clipped_params(groups: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rounds the group with the least error: a lone outlier stretches a min..max grid over 16 levels that the
     other weights then share coarsely; giving it up (clipped) spends the levels where most weights are."""
     lo, hi = groups.amin(-1), groups.amax(-1)
-    best_scale, best_zero = minmax_params(groups)
+    best_scale, best_zero = torch.zeros_like(lo), torch.zeros_like(lo)  # the first factor (1: min..max) fills them
     best_err = torch.full_like(lo, float("inf"))
     for step in range(CLIP_STEPS):
         span = (hi - lo) * (1 - step / 100)
