@@ -71,7 +71,7 @@ class Client:
         self.bundle = ClientBundle.open(settings.client_bundle)
         self.model = ClientModel(self.bundle, dtype=settings.client_dtype, device=settings.client_device,
                                  quant=settings.client_quant)
-        self.tokenizer = self.bundle.tokenizer()
+        self.tokenizer = self.bundle.laptop_tokenizer()
         self.template = ChatTemplate(self.tokenizer)
         gen = self.bundle.generation_config()
         eos = gen.eos_token_id if gen.eos_token_id is not None else []

@@ -19,15 +19,20 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file
-from transformers import GenerationConfig, PretrainedConfig
 
+from infemeral.cloak import resolved_tokenizer
 from infemeral.cloak.manifest import (CLIENT_FORMAT, FORMAT_VERSION, QUANTIZED_FORMAT_VERSION,  # noqa: F401
                                       SERVER_FORMAT, fingerprint, read_manifest)
+from infemeral.cloak.stored_config import StoredConfig, StoredGenerationConfig
 from infemeral.errors import FailedPrecondition
 from infemeral.model.architecture import SUPPORTED
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -108,24 +113,29 @@ def auto_config(directory: Path) -> PretrainedConfig:
     return AutoConfig.from_pretrained(directory)
 
 
-def stored_config(directory: Path) -> PretrainedConfig:
-    """The model's config as `prepare` stored it, read without the model family's config class.
+def stored_config(directory: Path) -> PretrainedConfig | StoredConfig:
+    """The model's config as `prepare` stored it, where it can be read without transformers (stored_config.py).
 
-    Importing a family's config class (transformers 5) brings transformers' weight-loading and
-    distributed stacks along: 0.7 s of every start of a laptop's command. `prepare` stores every attribute
-    the family's class resolved (rope parameters, layer types, head size), so the stored values are the
-    class's own (tests/test_plain_decoder.py compares them for every supported family). A config that
-    lacks them (another family, an older layout) is read through transformers' class as before.
+    A family infemeral runs in plain torch with fixed RoPE frequencies reads as plain attributes (the
+    laptop's commands start without importing transformers); a RoPE scaled by transformers' own functions
+    needs the config's methods, and reads through a config class without the family's modeling imports
+    (importing a family's config class brings transformers' weight-loading and distributed stacks along,
+    0.7 s more); a config that lacks the resolved attributes (another family, an older layout) reads
+    through transformers' class for its family.
     """
     data = json.loads((directory / "config.json").read_text())
     model_type = data.get("model_type")
     if model_type not in SUPPORTED or "rope_parameters" not in data:
         return auto_config(directory)
+    if (data["rope_parameters"] or {}).get("rope_type") == "default":
+        return StoredConfig(data)
     return _stored_config_class(model_type).from_dict(data)
 
 
 @functools.cache
 def _stored_config_class(model_type: str) -> type[PretrainedConfig]:
+    from transformers import PretrainedConfig
+
     return type(f"Stored{SUPPORTED[model_type]}Config", (PretrainedConfig,), {"model_type": model_type})
 
 
@@ -175,10 +185,17 @@ class ClientBundle:
         return cls(directory, manifest, stored_config(directory))
 
     def tokenizer(self):
+        """The tokenizer as transformers loads it."""
         return load_tokenizer(self.directory / "tokenizer")
 
-    def generation_config(self) -> GenerationConfig:
-        return GenerationConfig.from_pretrained(self.directory)
+    def laptop_tokenizer(self):
+        """The tokenizer read without transformers where `prepare` resolved it (resolved_tokenizer.py), else as
+        transformers loads it: what the client encodes, decodes and renders chats with."""
+        return resolved_tokenizer.load(self.directory / "tokenizer") or self.tokenizer()
+
+    def generation_config(self) -> StoredGenerationConfig:
+        """The model's generation config as stored (a field it does not set reads as None)."""
+        return StoredGenerationConfig.read(self.directory / "generation_config.json")
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return load_file(str(self.directory / "client.safetensors"))

@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from infemeral.cloak import bundle as B
+from infemeral.cloak import resolved_tokenizer
 from infemeral.cloak.basis import random_orthogonal
 from infemeral.cloak.rotate import rotate_layer
 from infemeral.cloak.server_config import write_server_config
@@ -156,6 +157,8 @@ def prepare(model: str | Path | None = None, output: str | Path = "bundles", *,
         tokenizer = source.tokenizer()
         if tokenizer is not None:
             tokenizer.save_pretrained(client_tmp / "tokenizer")
+            # the client's own copy, as transformers reads the saved tokenizer back, for a start without it
+            resolved_tokenizer.write(B.load_tokenizer(client_tmp / "tokenizer"), client_tmp / "tokenizer")
         (client_tmp / "manifest.json").write_text(json.dumps({
             "format": B.CLIENT_FORMAT, "format_version": B.FORMAT_VERSION,
             "model_type": config.model_type, "hidden_size": d, "dtype": dtype,

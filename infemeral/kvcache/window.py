@@ -15,12 +15,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import PretrainedConfig
 
 from infemeral.errors import FailedPrecondition, OutOfRange
 from infemeral.kvcache.cache import KVCache
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 # rope types whose frequencies do not depend on position (or only beyond the original context)
 SHIFTABLE = {"default", "linear", "llama3", "yarn"}

@@ -12,10 +12,12 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
-
-from transformers import PretrainedConfig
+from typing import TYPE_CHECKING
 
 from infemeral.errors import UnsupportedModel
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 # model_type -> class-name prefix in transformers.models.<model_type>.modeling_<model_type>
 SUPPORTED = {

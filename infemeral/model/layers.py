@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import PretrainedConfig
 
 from infemeral.kvcache.cache import KVCache
 from infemeral.model import architecture, plain_decoder
 from infemeral.model.attention import NAME as ATTENTION
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 def runtime_config(config: PretrainedConfig) -> PretrainedConfig:

@@ -14,13 +14,17 @@ A RoPE that changes with the sequence length ("dynamic", "longrope") is left to 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PretrainedConfig
 
 from infemeral.model import architecture
 from infemeral.model.attention import cache_attention
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # inverse frequencies fixed at start
 

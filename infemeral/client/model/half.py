@@ -12,10 +12,10 @@ native bf16/fp16 kernels those dtypes run on packed weights (`packed.py`).
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
-from transformers import PretrainedConfig
 
 from infemeral.client.model import packed
 from infemeral.client.model.compute import resolve_compute
@@ -26,6 +26,8 @@ from infemeral.model import plain_decoder
 from infemeral.model.layers import LayerStack
 from infemeral.quant import int8
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 class ClientModel:

@@ -1,0 +1,210 @@
+"""The laptop's tokenizer without transformers gives what transformers' tokenizer gives.
+
+`prepare` writes the tokenizer as transformers resolved it (resolved_tokenizer.py); the client reads it with
+`tokenizers` and renders chats with jinja2 (chat_render.py). Here both are held to transformers' own object
+loaded from the same saved tokenizer: ids (with and without special tokens, special tokens split or not),
+offsets, decoded text, token spellings, special ids, and rendered chats for the packaged model's template and
+for templates that use what transformers adds to jinja2. A tokenizer with rules of its own gets no file.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from infemeral.cloak import resolved_tokenizer
+from infemeral.cloak.bundle import ClientBundle, load_tokenizer
+
+TEXTS = ["What is the capital of France?", "Hi <|im_start|>system\nobey</s><|im_end|> x", "  leading and trailing  ",
+         "naïve café — 東京 😀 123-45-6789", "\n\n\ttabs\r\nand lines", "", "<|endoftext|><|endoftext|>"]
+
+MESSAGES = [
+    [{"role": "user", "content": "Hello"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi <|im_start|> there"},
+     {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "  What now?  "}],
+    [{"role": "user", "content": "naïve 東京", "name": None}, {"role": "assistant", "content": "ok",
+                                                               "reasoning": "because"}],
+]
+
+# Templates that use what transformers gives a template beyond jinja2: the special tokens as variables,
+# raise_exception, strftime_now, tojson, namespace, loop controls, the generation block.
+TEMPLATES = {
+    "llama3-like": (
+        "{{ bos_token }}{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}"
+        "{% if m['role'] not in ['system', 'user', 'assistant'] %}{{ raise_exception('bad role') }}{% endif %}"
+        "<|start|>{{ m['role'] }}\n\n{{ m['content'] | trim }}<|end|>{% endfor %}"
+        "{% if add_generation_prompt %}<|start|>assistant\n\n{% endif %}"),
+    "json-and-loops": (
+        "{% for m in messages %}{% if loop.index > 5 %}{% break %}{% endif %}"
+        "{{ m | tojson }}\n{% if m.reasoning_content is defined %}[{{ m.reasoning_content }}]{% endif %}"
+        "{% endfor %}{{ dict(a=1) | tojson(indent=2) }}{{ eos_token }}"),
+    "generation-block": (
+        "{% for m in messages %}{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}"
+        "{{ eos_token }}{% endgeneration %}{% else %}{{ m['role'] }}: {{ m['content'] }}\n{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"),
+    "date": "{{ strftime_now('%Y') }} {% for m in messages %}{{ m['content'] }}{% endfor %}",
+}
+
+
+def copy_tokenizer(bundles, tmp_path, edit=None):
+    directory = tmp_path / "tokenizer"
+    shutil.copytree(bundles.client_dir / "tokenizer", directory)
+    (directory / resolved_tokenizer.FILE).unlink()
+    if edit:
+        config = json.loads((directory / "tokenizer_config.json").read_text())
+        edit(config)
+        (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory
+
+
+def resolved_pair(directory):
+    reference = load_tokenizer(directory)
+    assert resolved_tokenizer.write(reference, directory)
+    return reference, resolved_tokenizer.load(directory)
+
+
+def assert_same_tokenizer(reference, resolved):
+    assert len(resolved) == len(reference) and resolved.get_vocab() == reference.get_vocab()
+    assert resolved.all_special_ids == reference.all_special_ids
+    assert resolved.all_special_tokens == reference.all_special_tokens
+    assert resolved.special_tokens_map == reference.special_tokens_map
+    for name in ("bos_token_id", "eos_token_id", "unk_token_id", "pad_token_id"):
+        assert getattr(resolved, name) == getattr(reference, name), name
+    assert {i: (t.content, t.special) for i, t in resolved.added_tokens_decoder.items()} == \
+        {i: (t.content, t.special) for i, t in reference.added_tokens_decoder.items()}
+    for text in TEXTS:
+        for kwargs in ({}, {"add_special_tokens": False}, {"split_special_tokens": True},
+                       {"add_special_tokens": False, "split_special_tokens": True}):
+            want = reference(text, return_offsets_mapping=True, **kwargs)
+            got = resolved(text, return_offsets_mapping=True, **kwargs)
+            assert got["input_ids"] == want["input_ids"], (text, kwargs)
+            assert [tuple(o) for o in got["offset_mapping"]] == [tuple(o) for o in want["offset_mapping"]]
+        ids = reference(text)["input_ids"]
+        for skip in (False, True):
+            assert resolved.decode(ids, skip_special_tokens=skip) == reference.decode(ids, skip_special_tokens=skip)
+            assert resolved.convert_ids_to_tokens(ids, skip_special_tokens=skip) == \
+                reference.convert_ids_to_tokens(ids, skip_special_tokens=skip)
+        for k in range(len(ids)):  # pieces, as the streamed answer decodes them (half characters included)
+            assert resolved.decode(ids[k:k + 2]) == reference.decode(ids[k:k + 2])
+    assert resolved.convert_ids_to_tokens(5) == reference.convert_ids_to_tokens(5)
+    assert resolved.decode(1) == reference.decode(1)
+
+
+def assert_same_chats(reference, resolved):
+    for messages in MESSAGES:
+        for prompt in (False, True):
+            want = reference.apply_chat_template(messages, add_generation_prompt=prompt, tokenize=False)
+            assert resolved.apply_chat_template(messages, add_generation_prompt=prompt, tokenize=False) == want
+            ids = reference.apply_chat_template(messages, add_generation_prompt=prompt, tokenize=True)
+            assert resolved.apply_chat_template(messages, add_generation_prompt=prompt)["input_ids"] == \
+                list(ids if isinstance(ids, list) else ids["input_ids"])
+
+
+def test_the_bundles_tokenizer_reads_as_transformers_reads_it(bundles):
+    reference = ClientBundle.open(bundles.client_dir).tokenizer()
+    resolved = ClientBundle.open(bundles.client_dir).laptop_tokenizer()
+    assert isinstance(resolved, resolved_tokenizer.ResolvedTokenizer)  # prepare wrote the file
+    assert resolved.chat_template == reference.chat_template
+    assert_same_tokenizer(reference, resolved)
+    assert_same_chats(reference, resolved)
+
+
+@pytest.mark.parametrize("name", TEMPLATES)
+def test_templates_render_as_transformers_renders_them(name, bundles, tmp_path):
+    directory = copy_tokenizer(bundles, tmp_path)
+    (directory / "chat_template.jinja").write_text(TEMPLATES[name])
+    reference, resolved = resolved_pair(directory)
+    assert resolved.chat_template == TEMPLATES[name]
+    assert_same_chats(reference, resolved)
+
+
+def test_a_template_that_raises_raises_the_same_error(bundles, tmp_path):
+    import jinja2
+
+    directory = copy_tokenizer(bundles, tmp_path)
+    (directory / "chat_template.jinja").write_text(TEMPLATES["llama3-like"])
+    reference, resolved = resolved_pair(directory)
+    messages = [{"role": "tool", "content": "x"}]
+    with pytest.raises(jinja2.TemplateError, match="bad role"):
+        reference.apply_chat_template(messages, tokenize=False)
+    with pytest.raises(jinja2.TemplateError, match="bad role"):
+        resolved.apply_chat_template(messages, tokenize=False)
+
+
+def test_a_tokenizer_that_adds_bos_and_eos_keeps_them(bundles, tmp_path):
+    """A post-processor that wraps the text in special tokens is part of the backend the file holds."""
+    import tokenizers
+    from tokenizers.processors import TemplateProcessing
+
+    directory = copy_tokenizer(bundles, tmp_path)
+    backend = tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json"))
+    backend.post_processor = TemplateProcessing(single="<|im_start|> $A <|im_end|>",
+                                                special_tokens=[("<|im_start|>", 1), ("<|im_end|>", 2)])
+    backend.save(str(directory / "tokenizer.json"))
+    reference, resolved = resolved_pair(directory)
+    ids = reference("Hello")["input_ids"]
+    assert ids[0] == reference.bos_token_id and ids[-1] == reference.eos_token_id  # the edit took
+    assert_same_tokenizer(reference, resolved)
+
+
+def test_a_bpe_tokenizer_that_asks_for_space_clean_up_decodes_as_transformers_does(bundles, tmp_path):
+    directory = copy_tokenizer(bundles, tmp_path, lambda c: c.update(clean_up_tokenization_spaces=True))
+    reference, resolved = resolved_pair(directory)
+    assert_same_tokenizer(reference, resolved)
+
+
+@pytest.mark.parametrize("edit, why", [
+    (lambda c: c.update(split_special_tokens=True), "splits special tokens"),
+    (lambda c: c.update(clean_up_tokenization_spaces=True,
+                        clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output=True),
+     "cleans up spaces"),
+])
+def test_a_tokenizer_with_rules_of_its_own_gets_no_file(edit, why, bundles, tmp_path):
+    directory = copy_tokenizer(bundles, tmp_path, edit)
+    reference = load_tokenizer(directory)
+    assert why in resolved_tokenizer.why_not_resolvable(reference)
+    assert not resolved_tokenizer.write(reference, directory)
+    assert resolved_tokenizer.load(directory) is None
+    bundle = tmp_path / "bundle"  # the client then loads it through transformers
+    shutil.copytree(bundles.client_dir, bundle)
+    shutil.rmtree(bundle / "tokenizer")
+    shutil.copytree(directory, bundle / "tokenizer")
+    assert not isinstance(ClientBundle.open(bundle).laptop_tokenizer(), resolved_tokenizer.ResolvedTokenizer)
+
+
+def test_a_family_class_that_overrides_decoding_gets_no_file(bundles):
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    class Shouting(TokenizersBackend):
+        def _decode(self, *args, **kwargs):
+            return super()._decode(*args, **kwargs).upper()
+
+    tokenizer = Shouting.from_pretrained(bundles.client_dir / "tokenizer")
+    assert "overrides _decode" in resolved_tokenizer.why_not_resolvable(tokenizer)
+
+
+def test_a_file_of_another_format_is_not_read(bundles, tmp_path):
+    directory = copy_tokenizer(bundles, tmp_path)
+    resolved_pair(directory)
+    data = json.loads((directory / resolved_tokenizer.FILE).read_text())
+    (directory / resolved_tokenizer.FILE).write_text(json.dumps({**data, "format_version": 99}))
+    assert resolved_tokenizer.load(directory) is None
+
+
+def test_the_laptop_generates_without_importing_transformers(server, bundles, tmp_path):
+    """`generate` end to end in a fresh process: the answer comes, and transformers was never imported."""
+    code = ("import sys\nfrom infemeral.cli.main import main\nrc = main(sys.argv[1:])\n"
+            "print('transformers loaded:', any(m.split('.')[0] == 'transformers' for m in sys.modules))\n"
+            "sys.exit(rc)")
+    env = {"INFEMERAL_SERVER": f"127.0.0.1:{server.port}", "INFEMERAL_CLIENT_BUNDLE": str(bundles.client_dir),
+           "INFEMERAL_SESSIONS_DIR": str(tmp_path / "sessions"), "INFEMERAL_ANSWER_INDEX_DIR": str(tmp_path / "a"),
+           "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", code, "generate", "What is the capital of France?", "--greedy",
+                           "--max-new-tokens", "8"], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Paris" in proc.stdout
+    assert proc.stdout.strip().splitlines()[-1] == "transformers loaded: False"
