@@ -208,3 +208,32 @@ def test_the_laptop_generates_without_importing_transformers(server, bundles, tm
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Paris" in proc.stdout
     assert proc.stdout.strip().splitlines()[-1] == "transformers loaded: False"
+
+
+def test_a_bundle_prepared_before_the_file_existed_gets_it_on_first_load(bundles, tmp_path):
+    bundle = tmp_path / "client"
+    shutil.copytree(bundles.client_dir, bundle)
+    (bundle / "tokenizer" / resolved_tokenizer.FILE).unlink()
+    first = ClientBundle.open(bundle).laptop_tokenizer()
+    assert not isinstance(first, resolved_tokenizer.ResolvedTokenizer)  # transformers', this once
+    written = bundle / "tokenizer" / resolved_tokenizer.FILE
+    assert written.is_file() and (written.stat().st_mode & 0o777) == 0o600
+    assert not list((bundle / "tokenizer").glob(".*partial"))
+    again = ClientBundle.open(bundle).laptop_tokenizer()
+    assert isinstance(again, resolved_tokenizer.ResolvedTokenizer)
+    assert_same_tokenizer(first, again)
+    assert_same_chats(first, again)
+
+
+def test_a_bundle_that_cannot_be_written_still_loads_its_tokenizer(bundles, tmp_path, monkeypatch):
+    bundle = tmp_path / "client"
+    shutil.copytree(bundles.client_dir, bundle)
+    (bundle / "tokenizer" / resolved_tokenizer.FILE).unlink()
+
+    def read_only(*args):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(resolved_tokenizer.os, "replace", read_only)
+    tokenizer = ClientBundle.open(bundle).laptop_tokenizer()
+    assert tokenizer("Hello")["input_ids"] and not (bundle / "tokenizer" / resolved_tokenizer.FILE).exists()
+    assert not list((bundle / "tokenizer").glob(".*partial"))

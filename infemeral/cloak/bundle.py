@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,8 @@ from infemeral.model.architecture import SUPPORTED
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -189,9 +192,19 @@ class ClientBundle:
         return load_tokenizer(self.directory / "tokenizer")
 
     def laptop_tokenizer(self):
-        """The tokenizer read without transformers where `prepare` resolved it (resolved_tokenizer.py), else as
-        transformers loads it: what the client encodes, decodes and renders chats with."""
-        return resolved_tokenizer.load(self.directory / "tokenizer") or self.tokenizer()
+        """What the client encodes, decodes and renders chats with: the tokenizer read without transformers
+        where `prepare` resolved it (resolved_tokenizer.py), else as transformers loads it. A bundle prepared
+        before such files existed gets one written now, so only its first start pays for transformers."""
+        directory = self.directory / "tokenizer"
+        found = resolved_tokenizer.load(directory)
+        if found is not None:
+            return found
+        tokenizer = self.tokenizer()
+        try:
+            resolved_tokenizer.write(tokenizer, directory)
+        except OSError as e:  # a read-only bundle: every start loads through transformers
+            log.info("could not add the resolved tokenizer to %s (%s)", directory, e.strerror)
+        return tokenizer
 
     def generation_config(self) -> StoredGenerationConfig:
         """The model's generation config as stored (a field it does not set reads as None)."""

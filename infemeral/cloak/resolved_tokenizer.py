@@ -9,13 +9,15 @@ special tokens and the chat template. `ResolvedTokenizer` reads it with `tokeniz
 with `chat_render` (jinja2): the same ids, offsets, decoded text and rendered transcripts as transformers'
 object (tests/test_resolved_tokenizer.py compares them). A tokenizer with Python-side rules of its own (its
 class overrides encoding, decoding or the template; decoding that cleans up spaces; several named templates)
-gets no file, and the client loads it through transformers as before.
+gets no file, and the client loads it through transformers as before; a bundle prepared before these files
+existed gets its file from the client's first start (`ClientBundle.laptop_tokenizer`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 
 from infemeral.cloak import chat_render
@@ -76,7 +78,13 @@ def write(tokenizer, directory: Path) -> bool:
                                                                           "pad_token")},
         "chat_template": tokenizer.chat_template,
     }
-    (directory / FILE).write_text(json.dumps(data, ensure_ascii=False))
+    partial = directory / f".{FILE}.partial"  # whole or not at all: a reader never sees half a file
+    try:
+        partial.write_text(json.dumps(data, ensure_ascii=False))
+        os.chmod(partial, 0o600)  # beside the client bundle's secrets, as private as they are
+        os.replace(partial, directory / FILE)
+    finally:
+        partial.unlink(missing_ok=True)
     return True
 
 
