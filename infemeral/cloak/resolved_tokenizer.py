@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 FILE = "resolved.json"
 FORMAT = "infemeral-resolved-tokenizer"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 # The methods of transformers' TokenizersBackend through which the client encodes, decodes and renders; a class
 # that overrides one of them does something `tokenizers` alone does not.
 BACKEND_METHODS = ("__call__", "_encode_plus", "_decode", "decode", "convert_ids_to_tokens", "apply_chat_template",
@@ -71,7 +71,7 @@ def write(tokenizer, directory: Path) -> bool:
         return False
     data = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "transformers_version": transformers.__version__,
-        "backend": json.loads(tokenizer.backend_tokenizer.to_str()),
+        "backend": tokenizer.backend_tokenizer.to_str(),  # a string: read back whole, not parsed twice
         "special_tokens_map": dict(tokenizer.special_tokens_map),
         "all_special_tokens": [str(t) for t in tokenizer.all_special_tokens],
         "token_ids": {name: getattr(tokenizer, f"{name}_id") for name in ("bos_token", "eos_token", "unk_token",
@@ -106,7 +106,7 @@ class ResolvedTokenizer:
     def __init__(self, data: dict):
         import tokenizers
 
-        self.backend = tokenizers.Tokenizer.from_str(json.dumps(data["backend"]))
+        self.backend = tokenizers.Tokenizer.from_str(data["backend"])
         self.backend.no_truncation()
         self.backend.no_padding()
         self.special_tokens_map: dict[str, str] = data["special_tokens_map"]
