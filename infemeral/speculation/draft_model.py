@@ -18,6 +18,7 @@ tokenizer; anything else is refused before the first token.
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -86,6 +87,8 @@ class DraftModel:
         self.max_positions = getattr(model.config, "max_position_embeddings", None) or 1 << 30
         self._cache = None
         self._seen: list[int] = []  # the tokens whose keys/values are in the cache, in order
+        self._one_pass = 0.0  # running mean seconds of a one-token forward pass
+        self.last_seconds: float | None = None  # the last proposal's cost as if the cache had been current
 
     @classmethod
     def load(cls, path: str | Path, target_tokenizer, dtype: torch.dtype = torch.float32) -> "DraftModel":
@@ -102,14 +105,26 @@ class DraftModel:
     def propose(self, context_ids: Sequence[int], max_draft: int) -> list[int]:
         if max_draft <= 0 or not context_ids or len(context_ids) + max_draft > self.max_positions:
             return []
+        started, fed = time.perf_counter(), len(self._seen)
         logits = self._feed(list(context_ids))
+        catch_up = time.perf_counter() - started
+        charged = catch_up if len(self._seen) - fed <= 1 or not self._one_pass else self._one_pass
+        if len(self._seen) - fed == 1:
+            self._timed_pass(catch_up)
         draft: list[int] = []
         for i in range(max_draft):
             token = int(logits.argmax())
             draft.append(token)
             if i + 1 < max_draft:
+                started = time.perf_counter()
                 logits = self._forward([token])
+                charged += self._timed_pass(time.perf_counter() - started)
+        self.last_seconds = charged
         return draft
+
+    def _timed_pass(self, seconds: float) -> float:
+        self._one_pass = seconds if not self._one_pass else 0.8 * self._one_pass + 0.2 * seconds
+        return seconds
 
     def _feed(self, context: list[int]) -> torch.Tensor:
         """Bring the cache to `context` minus its last token, run that token; logits after it."""

@@ -53,11 +53,14 @@ class FirstOf:
         self.sources = list(sources)
         self.name = "+".join(s.name for s in sources)
         self.is_free = all(s.is_free for s in sources)
+        self.last_seconds: float | None = None  # the answering source's own account of its cost, if it gives one
 
     def propose(self, context_ids: Sequence[int], max_draft: int) -> list[int]:
+        self.last_seconds = None
         for source in self.sources:
             draft = source.propose(context_ids, max_draft)
             if draft:
+                self.last_seconds = getattr(source, "last_seconds", None)
                 return draft
         return []
 

@@ -157,8 +157,15 @@ class Speculator:
         return 1
 
     def _draft(self, source: DraftSource, context_ids: Sequence[int], k: int) -> list[int]:
+        """A costly source's drafts, and what they cost. A source that says what its proposal would have cost
+        with its state current (`last_seconds`: a draft model that first caught up on the tokens verified
+        while it was idle) is charged that: the catch-up is paid once, after idling, and charged to the one
+        draft of a probe it would make drafting look many times dearer than it is, so that it was never
+        chosen again."""
         started = time.perf_counter()
         drafts = source.propose(context_ids, k)[:k]
         if not source.is_free:
-            self.lengths[source.name].drafted(max(len(drafts), 1), time.perf_counter() - started)
+            seconds = getattr(source, "last_seconds", None)
+            self.lengths[source.name].drafted(max(len(drafts), 1), seconds if seconds is not None else
+                                              time.perf_counter() - started)
         return drafts
