@@ -126,19 +126,17 @@ def test_forks_share_the_weights_and_draft_apart_in_threads():
             assert drafts == greedy(model, context, 3)
 
 
-def test_a_draft_after_idling_is_charged_as_one_pass_not_the_catch_up(monkeypatch):
+def test_a_draft_after_idling_is_charged_its_own_passes_not_the_catch_up(monkeypatch):
     """A draft model left idle has to catch up on every token verified since; charged to the one draft of a
-    probe, that made it look many times dearer than it is (the speculator then never chose it again). It is
-    charged one measured one-token pass for the catch-up, and what its drafts' own passes took."""
+    probe, that made it look many times dearer than it is (the speculator then never chose it again). The
+    catch-up is read in a pass of its own, and a proposal is charged only its one-token passes."""
     from infemeral.speculation.draft_length import DraftLength
     from infemeral.speculation.speculator import Speculator
     from infemeral.speculation.step_cost import StepCost
 
-    drafter = DraftModel(tiny_model(2))
-    context = list(range(3, 11))
-    drafter.propose(context, 3)  # the prompt: nothing measured before, so charged what it took
-    assert drafter.last_seconds > 0 and drafter._one_pass > 0
-    passes = []  # tokens read by each forward pass from here on
+    model = tiny_model(2)
+    drafter = DraftModel(model)
+    passes = []  # tokens read by each forward pass
     real = drafter._forward
 
     def counted_forward(ids):
@@ -149,14 +147,14 @@ def test_a_draft_after_idling_is_charged_as_one_pass_not_the_catch_up(monkeypatc
     # a fake clock on which a pass reading n tokens takes 1 + n seconds
     monkeypatch.setattr("infemeral.speculation.draft_model.time.perf_counter",
                         lambda: float(sum(1 + n for n in passes)))
-    drafter._one_pass = 2.0  # a one-token pass, as measured before
-    context = context + [12, 13, 14, 15, 16, 17, 18]  # seven tokens verified while the drafter idled
-    assert len(drafter.propose(context, 1)) == 1
-    assert passes == [7]  # it did catch up (one pass over the seven: 8 s on the clock) ...
-    assert drafter.last_seconds == 2.0  # ... and is charged one pass for it
+    context = list(range(3, 11))
+    assert drafter.propose(context, 1) == greedy(model, context, 1)
+    assert passes == [7, 1] and drafter.last_seconds == 2.0  # the prompt, then its last token: 2 s charged
     passes.clear()
-    drafter.propose(context + [19], 3)  # current again: the new token, then two drafts, a 2 s pass each
-    assert passes == [1, 1, 1] and drafter.last_seconds == 6.0
+    context = context + [12, 13, 14, 15, 16, 17, 18]  # seven tokens verified while the drafter idled
+    assert drafter.propose(context, 3) == greedy(model, context, 3)
+    assert passes == [6, 1, 1, 1]  # the catch-up (7 s on the clock), then three one-token passes ...
+    assert drafter.last_seconds == 6.0  # ... which alone are charged
     length = DraftLength(cost=StepCost())
     Speculator([drafter], {"draft": length}, max_draft=3)._draft(drafter, context + [19, 20], 1)
     assert length.draft_seconds == drafter.last_seconds == 2.0  # the speculator learns the charged cost

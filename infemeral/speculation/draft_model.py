@@ -87,7 +87,6 @@ class DraftModel:
         self.max_positions = getattr(model.config, "max_position_embeddings", None) or 1 << 30
         self._cache = None
         self._seen: list[int] = []  # the tokens whose keys/values are in the cache, in order
-        self._one_pass = 0.0  # running mean seconds of a one-token forward pass
         self.last_seconds: float | None = None  # the last proposal's cost as if the cache had been current
 
     @classmethod
@@ -105,29 +104,21 @@ class DraftModel:
     def propose(self, context_ids: Sequence[int], max_draft: int) -> list[int]:
         if max_draft <= 0 or not context_ids or len(context_ids) + max_draft > self.max_positions:
             return []
-        started, fed = time.perf_counter(), len(self._seen)
-        logits = self._feed(list(context_ids))
-        catch_up = time.perf_counter() - started
-        charged = catch_up if len(self._seen) - fed <= 1 or not self._one_pass else self._one_pass
-        if len(self._seen) - fed == 1:
-            self._timed_pass(catch_up)
+        logits, charged = self._feed(list(context_ids))
         draft: list[int] = []
         for i in range(max_draft):
             token = int(logits.argmax())
             draft.append(token)
             if i + 1 < max_draft:
-                started = time.perf_counter()
-                logits = self._forward([token])
-                charged += self._timed_pass(time.perf_counter() - started)
+                logits, seconds = self._timed_forward([token])
+                charged += seconds
         self.last_seconds = charged
         return draft
 
-    def _timed_pass(self, seconds: float) -> float:
-        self._one_pass = seconds if not self._one_pass else 0.8 * self._one_pass + 0.2 * seconds
-        return seconds
-
-    def _feed(self, context: list[int]) -> torch.Tensor:
-        """Bring the cache to `context` minus its last token, run that token; logits after it."""
+    def _feed(self, context: list[int]) -> tuple[torch.Tensor, float]:
+        """Bring the cache to `context` minus its last token, run that token: the logits after it, and the
+        seconds of that last one-token pass. Tokens verified while the drafter idled are read first, in a
+        pass of their own that is not counted: it is paid once after idling, not for every draft."""
         from transformers import DynamicCache
 
         keep = common_prefix(self._seen, context[:-1])
@@ -139,7 +130,14 @@ class DraftModel:
                 keep = 0
         if self._cache is None or keep == 0:
             self._cache, self._seen, keep = DynamicCache(), [], 0
-        return self._forward(context[keep:])
+        if len(context) - keep > 1:
+            self._forward(context[keep:-1])
+        return self._timed_forward(context[-1:])
+
+    def _timed_forward(self, ids: list[int]) -> tuple[torch.Tensor, float]:
+        started = time.perf_counter()
+        logits = self._forward(ids)
+        return logits, time.perf_counter() - started
 
     def _forward(self, ids: list[int]) -> torch.Tensor:
         out = self.model(torch.tensor([ids]), use_cache=True, **{cache_keyword(self.model): self._cache})
