@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import tempfile
 from pathlib import Path
 
 from infemeral.cloak import chat_render
@@ -78,13 +79,15 @@ def write(tokenizer, directory: Path) -> bool:
                                                                           "pad_token")},
         "chat_template": tokenizer.chat_template,
     }
-    partial = directory / f".{FILE}.partial"  # whole or not at all: a reader never sees half a file
+    # whole or not at all, a temporary file of its own per writer (two clients may start at once), created
+    # owner-only: it lies beside the client bundle's secrets
+    fd, partial = tempfile.mkstemp(dir=directory, prefix=f".{FILE}.", suffix=".partial")
     try:
-        partial.write_text(json.dumps(data, ensure_ascii=False))
-        os.chmod(partial, 0o600)  # beside the client bundle's secrets, as private as they are
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(data, ensure_ascii=False))
         os.replace(partial, directory / FILE)
     finally:
-        partial.unlink(missing_ok=True)
+        Path(partial).unlink(missing_ok=True)
     return True
 
 

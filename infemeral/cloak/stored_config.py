@@ -21,10 +21,6 @@ class StoredConfig:
     def __init__(self, fields: dict):
         self.__dict__.update(fields)
 
-    @classmethod
-    def read(cls, path: Path) -> "StoredConfig":
-        return cls(json.loads(path.read_text()))
-
     def to_dict(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
 
