@@ -94,6 +94,8 @@ def test_bad_speculation_flags_are_refused(cli_env, tmp_path):
     assert proc.returncode == 2 and "draft head not found" in proc.stderr
     proc = run_cli("train-drafter", "--minutes", 0, "--output", tmp_path / "head", env=cli_env)
     assert proc.returncode == 2 and "--minutes must be above 0" in proc.stderr
+    proc = run_cli("train-drafter", "--unroll", 0, "--output", tmp_path / "head", env=cli_env)
+    assert proc.returncode == 2 and "--unroll must be at least 1" in proc.stderr
 
 
 def test_auto_finds_the_draft_head_train_drafter_wrote_beside_the_bundle(tmp_path):

@@ -7,6 +7,7 @@ layer without an input norm), so a layout read in the wrong order cannot pass.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -204,6 +205,29 @@ def features_of(model, ids: list[int]) -> torch.Tensor:
         return model.model(torch.tensor([ids])).last_hidden_state[0]
 
 
+@torch.no_grad()
+def test_unrolled_training_passes_compute_what_drafting_computes():
+    """Pass s at position j of the training-time test is the (s + 1)-th draft's feature of a chain started at
+    j − s: the head fed the true features up to there over its cache, then its own predictions."""
+    torch.manual_seed(4)
+    module = HeadModel(layer_config(tiny_config())).eval()
+    n = 11
+    embeds, feats = torch.randn(2, n, D), torch.randn(2, n, D)
+    passes = module.unrolled(embeds, feats, 3)
+    assert len(passes) == 3 and all(p.shape == (2, n, D) for p in passes)
+    for row in range(2):
+        for m in range(n):
+            cache = module.new_cache(torch.float32, torch.device("cpu"))
+            h = module(embeds[row:row + 1, :m + 1], feats[row:row + 1, :m + 1], cache)[:, -1:]
+            torch.testing.assert_close(passes[0][row, m], h[0, 0], rtol=1e-4, atol=1e-4)
+            for s in (1, 2):
+                if m + s >= n:
+                    break
+                h = module(embeds[row:row + 1, m + s:m + s + 1], h, cache)
+                torch.testing.assert_close(passes[s][row, m + s], h[0, 0], rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(passes[1][:, 2:], passes[0][:, 2:], atol=1e-3)  # the passes differ: it can fail
+
+
 def test_a_drafter_fed_step_by_step_drafts_as_one_fed_at_once(tiny, head):
     """Verified steps (with accepted and rejected drafts between them) leave the head's cache exactly as if
     the whole conversation had been fed at once."""
@@ -338,9 +362,11 @@ def test_train_drafter_writes_a_head_this_model_loads_and_reuses_its_data(chat_t
         raise AssertionError("the cached answers should have been used")
 
     monkeypatch.setattr(train_head, "answer", no_answers)
-    again = train_head.train_drafter("tiny", tmp_path / "head2", settings, cache_dir=tmp_path / "cache",
+    unrolled = dataclasses.replace(settings, unroll=3)  # other training settings: the same answers
+    again = train_head.train_drafter("tiny", tmp_path / "head2", unrolled, cache_dir=tmp_path / "cache",
                                      progress=False, loaded=(model, chat_tokenizer))
-    assert again.answer_tokens == report.answer_tokens
+    assert again.answer_tokens == report.answer_tokens and again.steps == 4
+    assert again.final_loss > report.final_loss  # three drafts' losses, where one draft's was
 
 
 def test_the_held_out_measurement_steps_through_answers_as_a_session_does():

@@ -19,20 +19,24 @@ import torch.nn.functional as F
 NAME = "infemeral_cache"
 
 
-def attend(query, key, value, scaling, sliding_window=None):
+def attend(query, key, value, scaling, sliding_window=None, mask=None):
     """query [B, H, n, D] = the last n positions of key/value [B, KVH, t, D]; returns [B, n, H, D].
 
-    With grouped-query attention the G = H / KVH query heads that share a KV head are folded into
-    the query rows, so each KV head is read once (no repeat of keys/values)."""
+    `mask` [n, t] (True: the query may read the key) replaces causality where the keys are not one
+    sequence in order (a draft head's unrolled training passes). With grouped-query attention the
+    G = H / KVH query heads that share a KV head are folded into the query rows, so each KV head is
+    read once (no repeat of keys/values)."""
     b, h, n, d = query.shape
     kvh, t = key.shape[1], key.shape[2]
     windowed = sliding_window is not None and t > sliding_window
-    if n == t and not windowed:  # prefill of an empty cache: plain causal attention
+    if mask is not None:
+        if windowed:
+            raise ValueError("an explicit attention mask and a sliding window do not combine")
+    elif n == t and not windowed:  # prefill of an empty cache: plain causal attention
         out = F.scaled_dot_product_attention(query, key, value, is_causal=n > 1, scale=scaling,
                                              enable_gqa=kvh != h)
         return out.transpose(1, 2)
-    mask = None
-    if n > 1:
+    elif n > 1:
         mask = torch.ones(n, t, dtype=torch.bool, device=query.device).tril(t - n)
     if windowed:
         if mask is None:
@@ -50,5 +54,6 @@ def cache_attention(module, query, key, value, attention_mask=None, scaling=None
                     sliding_window=None, paged=None, **kwargs):
     if paged is not None:  # a batch of sessions on the server's page pool
         return paged.attend(module.layer_idx, query, scaling, sliding_window), None
-    return attend(query, key, value, scaling, sliding_window).contiguous(), None
+    mask = attention_mask if attention_mask is not None and attention_mask.dtype == torch.bool else None
+    return attend(query, key, value, scaling, sliding_window, mask).contiguous(), None
 

@@ -155,6 +155,48 @@ class HeadModel(torch.nn.Module):
             cache.finish_step(n)
         return x
 
+    def unrolled(self, embeds: torch.Tensor, features: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        """Training as drafting runs (EAGLE-3's "training-time test"): `steps` passes over whole sequences,
+        pass s predicting from pass s − 1's predictions where drafting would. Pass 0 is `forward`; in pass
+        s the input at position j is (embedding of t_{j+1}, pass s − 1's prediction at j − 1), and its query
+        reads what a session's s-th draft reads: the true-feature keys up to j − s (the verified positions)
+        and one key of each later pass (the drafts before it in the chain). Returns each pass's predicted
+        features [B, n, d]; position j of pass s stands for a chain started at j − s."""
+        n = embeds.shape[1]
+        positions = torch.arange(n, device=embeds.device).unsqueeze(0)
+        cache = _PassKeys()
+        keyword = architecture.cache_keyword(self.layers[0])
+        out, inputs = [], features
+        for s in range(steps):
+            x = self.fc(torch.cat([embeds, inputs], dim=-1))
+            h = self.layers[0](x, attention_mask=None if s == 0 else unrolled_mask(n, s, x.device),
+                               position_ids=positions, position_embeddings=self.rotary(x, positions),
+                               **{keyword: cache})
+            out.append(h)
+            inputs = torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], dim=1)  # position j reads j − 1's
+        return out
+
+
+def unrolled_mask(n: int, s: int, device=None) -> torch.Tensor:
+    """Which keys pass s's queries read [n, (s + 1)·n] (see `HeadModel.unrolled`): query j reads pass 0's keys
+    at positions ≤ j − s and pass p's (1 ≤ p ≤ s) key at j − s + p."""
+    j = torch.arange(n, device=device).unsqueeze(1)
+    i = torch.arange(n, device=device).unsqueeze(0)
+    blocks = [i <= j - s] + [i == j - s + p for p in range(1, s + 1)]
+    return torch.cat(blocks, dim=1)
+
+
+class _PassKeys:
+    """The keys and values of the passes so far (training): each pass appends its own, gradients kept."""
+
+    def __init__(self):
+        self.key = self.value = None
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
+        self.key = key if self.key is None else torch.cat([self.key, key], dim=2)
+        self.value = value if self.value is None else torch.cat([self.value, value], dim=2)
+        return self.key, self.value
+
 
 # -- reading and writing the layout ---------------------------------------------------------------------
 

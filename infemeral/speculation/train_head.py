@@ -18,15 +18,13 @@ distribution restricted to those tokens, and drafting multiplies by only their
 rows of the LM head. The answers are cached (`cache_dir`), so training again
 with other settings does not ask the model again.
 
-Answers are generated in bfloat16 on a CPU (faster than float32 there — 0.5
-against 0.9 s per step of 32 answers, measured on a loaded 2-core machine — and
-still the model's own kind of text), and the features are the ones that
-generation computes: a bfloat16 model's, off the float32 client's by about
-2% of their norm (median over positions on the default model; at most 6%),
-below the noise the head is trained with (6% of the norm). A float32 pass over
-the data for exact features would cost as much again as the answers. Training time is a budget
-(`minutes`): the learning rate follows a cosine over it, so a run ends on time
-with a finished schedule whatever the machine's speed. It ends with a held-out
+Answers are generated in float32 on a CPU unless it computes bfloat16 natively (AVX-512 BF16 / AMX): on
+one without, bfloat16 is emulated and slower (a step of 32 answers of the default model: 0.21 s in
+float32 against 0.66 s in bfloat16 on a 2-core AVX2 machine), and float32 features and answers are exactly
+the ones the float32 laptop drafts from. In batches of 64 answers a 2-core AVX2 CPU answers ~150 tokens/s.
+
+Training time is a budget (`minutes`): the learning rate follows a cosine over
+it, so a run ends on time with a finished schedule whatever the machine's speed. It ends with a held-out
 measurement: tokens a step yields with k drafts, drafted exactly as the
 laptop drafts (`HeadDrafter`) and stepped through the answers as a session steps.
 """
@@ -165,7 +163,7 @@ def answer(model, tokenizer, prompts: list[list[int]], *, max_new_tokens: int, b
            progress: bool = True) -> tuple[list[list[int]], list[torch.Tensor]]:
     """The model's greedy answer to each prompt (ending with its end-of-turn token if it ended there), and the
     feature of every position of prompt and answer — the top layer after the final norm, which the decoding
-    computes anyway: one pass gives both (a second pass in float32 would cost as much again). In batches of
+    computes anyway: one pass gives both. In batches of
     `batch` prompts, left-padded so that every answer starts at the same column."""
     from tqdm import tqdm
     from transformers import DynamicCache
@@ -267,9 +265,17 @@ def training_data(model, tokenizer, prompts: list[str], settings: TrainSettings,
 
 
 def generate_dtype(name: str, model, device: torch.device) -> torch.dtype:
+    """The dtype the model answers in: on a CPU bfloat16 only where it is native (see the module's note)."""
     if name != "auto":
         return getattr(torch, name)
-    return torch.bfloat16 if device.type == "cpu" else next(model.parameters()).dtype
+    if device.type == "cpu":
+        return torch.bfloat16 if native_bf16() else torch.float32
+    return next(model.parameters()).dtype
+
+
+def native_bf16() -> bool:
+    """Whether this CPU computes bfloat16 products natively (oneDNN's check: AVX-512 BF16 or AMX)."""
+    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 @torch.inference_mode()
@@ -300,8 +306,7 @@ def autocast(device: torch.device):
     twice the speed of float32 for the head's training, whose weights and optimiser stay float32."""
     if device.type == "cuda":
         return torch.autocast("cuda", dtype=torch.bfloat16)
-    native = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(native))
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=native_bf16())
 
 
 def draft_vocabulary(data: TrainingData, size: int, vocab_size: int) -> torch.Tensor | None:
@@ -348,7 +353,9 @@ def batches(data: TrainingData, batch_tokens: int, rng: random.Random) -> list[l
 
 def head_loss(module: HeadModel, frozen: Frozen, data: TrainingData, group: list[int], settings: TrainSettings,
               device: torch.device, generator: torch.Generator | None = None) -> torch.Tensor:
-    """EAGLE's loss over one batch: feature regression + token cross-entropy, answer positions only."""
+    """EAGLE's loss over one batch — feature regression + token cross-entropy, answer positions only — summed
+    over `settings.unroll` drafts in a row (pass s weighted `unroll_weight`^s), each scored where a session
+    would draft it: a chain that starts at the prompt's last position or later."""
     width = max(len(data.ids[i]) for i in group)
     d = frozen.embed.shape[1]
     ids = torch.zeros((len(group), width), dtype=torch.long)
@@ -364,15 +371,23 @@ def head_loss(module: HeadModel, frozen: Frozen, data: TrainingData, group: list
         rms = inputs.pow(2).mean(-1, keepdim=True).sqrt()
         inputs = inputs + (torch.rand(inputs.shape, generator=generator, device="cpu").to(device) - 0.5) \
             * settings.noise * rms
-    predicted = module(frozen.embed[ids[:, 1:]], inputs)
+    passes = module.unrolled(frozen.embed[ids[:, 1:]], inputs, max(settings.unroll, 1))
     target = feats[:, 1:]
-    count = mask.sum().clamp(min=1)
-    feature_loss = (F.smooth_l1_loss(predicted, target, reduction="none").mean(-1) * mask).sum() / count
     with torch.no_grad():
         target_p = torch.softmax(target @ frozen.head.T, dim=-1)
-    log_p = torch.log_softmax(predicted @ frozen.head.T, dim=-1)
-    token_loss = -((target_p * log_p).sum(-1) * mask).sum() / count
-    return settings.feature_weight * feature_loss + settings.token_weight * token_loss
+    total = 0.0
+    for s, predicted in enumerate(passes):
+        scored = mask.clone()
+        if s:
+            scored[:, s:] *= mask[:, :-s]  # the chain's start, j − s, is a position a session drafts from
+            scored[:, :s] = 0
+        count = scored.sum().clamp(min=1)
+        feature_loss = (F.smooth_l1_loss(predicted, target, reduction="none").mean(-1) * scored).sum() / count
+        log_p = torch.log_softmax(predicted @ frozen.head.T, dim=-1)
+        token_loss = -((target_p * log_p).sum(-1) * scored).sum() / count
+        total = total + settings.unroll_weight ** s * (settings.feature_weight * feature_loss
+                                                       + settings.token_weight * token_loss)
+    return total
 
 
 def train(module: HeadModel, frozen: Frozen, data: TrainingData, settings: TrainSettings, device: torch.device,
@@ -537,15 +552,15 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("train-drafter needs --output DIR")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device}, but torch sees no CUDA device here (use --device cpu)")
-    for flag in ("prompts", "max_new_tokens"):
+    for flag in ("prompts", "max_new_tokens", "unroll"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, not {getattr(args, flag)}")
     if args.minutes <= 0:
         raise ValueError(f"--minutes must be above 0, not {args.minutes} (--max-steps can stop it sooner)")
     logging.getLogger(__name__).setLevel(logging.INFO)
     settings = TrainSettings(prompts=args.prompts, max_new_tokens=args.max_new_tokens, draft_vocab=args.draft_vocab,
-                             minutes=args.minutes, max_steps=args.max_steps, device=args.device, seed=args.seed,
-                             threads=args.threads)
+                             minutes=args.minutes, unroll=args.unroll, max_steps=args.max_steps, device=args.device,
+                             seed=args.seed, threads=args.threads)
     report = train_drafter(args.model, args.output, settings,
                            cache_dir=None if args.cache == "none" else args.cache)
     print(f"wrote {args.output}: {report.describe()}")
