@@ -162,18 +162,31 @@ class TimedSource:
 
 def trained_head(wb):
     """The draft head of the default model: trained with train-drafter's defaults on first use and kept in
-    `.bundles/` (gitignored) for later runs. None for other models (a head is trained per model)."""
+    `.bundles/` (gitignored) for later runs, trained again when those defaults change. None for other models (a head is trained per model)."""
+    from dataclasses import asdict
+
     from infemeral.speculation.train_head import train_drafter
     from infemeral.speculation.train_settings import TrainSettings
 
     if wb.model_kind != "default":
         return None
-    if not (HEAD_DIR / "config.json").exists():
-        log(f"  training the draft head once (train-drafter's defaults) into {HEAD_DIR.relative_to(ROOT)}")
+    if trained_with(HEAD_DIR) != asdict(TrainSettings()):
+        log(f"  training the draft head (train-drafter's defaults, changed or never trained) into "
+            f"{HEAD_DIR.relative_to(ROOT)}")
         report = train_drafter("default", HEAD_DIR, TrainSettings(), cache_dir=HEAD_DATA, progress=False,
                                loaded=(wb.reference, wb.tokenizer))
         log(f"  {report.describe()}")
     return HEAD_DIR
+
+
+def trained_with(head_dir) -> dict | None:
+    """The training settings of the head in `head_dir`, as its config records them (None: no head there)."""
+    import json
+
+    config = head_dir / "config.json"
+    if not config.exists():
+        return None
+    return json.loads(config.read_text()).get("infemeral", {}).get("training", {}).get("settings")
 
 
 def head_info(head_dir) -> dict:
