@@ -163,8 +163,8 @@ def answer(model, tokenizer, prompts: list[list[int]], *, max_new_tokens: int, b
            progress: bool = True) -> tuple[list[list[int]], list[torch.Tensor]]:
     """The model's greedy answer to each prompt (ending with its end-of-turn token if it ended there), and the
     feature of every position of prompt and answer — the top layer after the final norm, which the decoding
-    computes anyway: one pass gives both. In batches of
-    `batch` prompts, left-padded so that every answer starts at the same column."""
+    computes anyway: one pass gives both. In batches of `batch` prompts, left-padded so that every answer starts
+    at the same column."""
     from tqdm import tqdm
     from transformers import DynamicCache
 

@@ -15,10 +15,11 @@ class TrainSettings:
     """What a training run does; the defaults train a head for the default model on a quiet 2-core AVX2 CPU in
     about 27 minutes: answers 12.7 (~160 tokens/s in float32), training 14, the held-out measurement under 1.
     More answers and more steps both help a head this small (it fits its training answers far better than
-    new ones): 320 answers of 128 tokens and 10 minutes gave a first draft right 42% of the time on the held-out
-    answers these defaults measure 48% on; the same data and 5 minutes, 42%. Unrolling two drafts
-    (`unroll`) halves the steps the budget buys: on a CPU it traded the first draft's accuracy (43%) for the
-    later ones' (tokens per step unchanged, 1.81); where training is cheap (CUDA) it is the better use."""
+    new ones): 320 answers of 128 tokens (in bfloat16) and 10 minutes gave a first draft right 42% of the time
+    on the held-out answers these defaults measure 48% on; these defaults' answers with 5 minutes of training,
+    42%. Unrolling two drafts (`unroll`) halves the steps the budget buys: on a CPU it traded the first
+    draft's accuracy (43%) for the later ones' (tokens per step unchanged, 1.81); where training is cheap
+    (CUDA) it may be the better use."""
 
     prompts: int = 512            # chat prompts the model answers (training data)
     max_new_tokens: int = 192     # per answer
@@ -35,7 +36,7 @@ class TrainSettings:
     held_out: int = 16            # prompts kept out of training, for the acceptance measurement
     eval_drafts: int = 5          # k of that measurement
     generate_batch: int = 64
-    generate_dtype: str = "auto"  # of the answers and their features (auto: bfloat16 on a CPU)
+    generate_dtype: str = "auto"  # of the answers and their features (auto: on a CPU float32 unless bf16 is native)
     device: str = "auto"
     threads: int = 0              # CPU threads (0: the faster of one and all, measured on the model)
     eval_positions: int = 64      # answer positions per held-out prompt that are measured

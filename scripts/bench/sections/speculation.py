@@ -162,7 +162,8 @@ class TimedSource:
 
 def trained_head(wb):
     """The draft head of the default model: trained with train-drafter's defaults on first use and kept in
-    `.bundles/` (gitignored) for later runs, trained again when those defaults change. None for other models (a head is trained per model)."""
+    `.bundles/` (gitignored) for later runs, trained again when those defaults change. None for other models
+    (a head is trained per model)."""
     from dataclasses import asdict
 
     from infemeral.speculation.train_head import train_drafter
