@@ -171,7 +171,7 @@ def trained_head(wb):
 
     if wb.model_kind != "default":
         return None
-    if trained_with(HEAD_DIR) != asdict(TrainSettings()):
+    if (training_record(HEAD_DIR) or {}).get("settings") != asdict(TrainSettings()):
         log(f"  training the draft head (train-drafter's defaults, changed or never trained) into "
             f"{HEAD_DIR.relative_to(ROOT)}")
         report = train_drafter("default", HEAD_DIR, TrainSettings(), cache_dir=HEAD_DATA, progress=False,
@@ -180,23 +180,20 @@ def trained_head(wb):
     return HEAD_DIR
 
 
-def trained_with(head_dir) -> dict | None:
-    """The training settings of the head in `head_dir`, as its config records them (None: no head there)."""
+def training_record(head_dir) -> dict | None:
+    """What the head in `head_dir` records of its training (None: no head there)."""
     import json
 
     config = head_dir / "config.json"
     if not config.exists():
         return None
-    return json.loads(config.read_text()).get("infemeral", {}).get("training", {}).get("settings")
+    return json.loads(config.read_text()).get("infemeral", {}).get("training", {})
 
 
 def head_info(head_dir) -> dict:
-    import json
-
     if head_dir is None:
         return {}
-    raw = json.loads((head_dir / "config.json").read_text())
-    training = raw.get("infemeral", {}).get("training", {})
+    training = training_record(head_dir) or {}
     keys = ("prompts", "answer_tokens", "draft_vocab", "vocab_coverage", "steps", "data_seconds", "train_seconds",
             "first_draft_accuracy", "tokens_per_step", "drafts")
     return {k: training.get(k) for k in keys}
