@@ -63,7 +63,7 @@ def test_packed_weights_take_the_dense_bytes_at_real_widths():
 def test_the_float32_head_gives_the_linears_logits_for_any_number_of_rows(shape):
     """A few float32 rows are multiplied as weight @ hiddenᵀ (the faster kernel there), more as F.linear: the
     same logits either way, in the hidden's shape."""
-    from infemeral.client.model.tables import FEW_ROWS, DenseTokenTable
+    from infemeral.client.model.tables import HEAD_FEW_ROWS, DenseTokenTable
 
     g = torch.Generator().manual_seed(len(shape))
     weight, hidden = torch.randn(3000, 576, generator=g), torch.randn(*shape, generator=g)
@@ -71,4 +71,4 @@ def test_the_float32_head_gives_the_linears_logits_for_any_number_of_rows(shape)
     assert logits.shape == (*shape[:-1], 3000)
     torch.testing.assert_close(logits, F.linear(hidden, weight), rtol=1e-5, atol=1e-4)
     assert torch.equal(logits.argmax(-1), F.linear(hidden, weight).argmax(-1))
-    assert (hidden.numel() // 576 <= FEW_ROWS) == (shape != (17, 576))
+    assert (hidden.numel() // 576 <= HEAD_FEW_ROWS) == (shape != (17, 576))

@@ -18,6 +18,7 @@ import torch
 
 from infemeral.kvcache.cache import KVCache
 from infemeral.model import architecture, plain_decoder
+from infemeral.model.few_rows import use_few_rows
 from infemeral.model.attention import NAME as ATTENTION
 
 if TYPE_CHECKING:
@@ -64,6 +65,7 @@ class LayerStack(torch.nn.Module):
                                    for k, v in weights.items()}, strict=True, assign=True)
             layers.append(layer.eval())
         self.layers = torch.nn.ModuleList(layers)
+        use_few_rows(self.layers)  # float32 on a CPU: a step of a few positions costs little more than one
         self.rotary = rotary_cls(config=self.config).to(self.device)
         self.requires_grad_(False)
 

@@ -6,7 +6,8 @@ not stream faster than float32 does (DESIGN.md §10's gain does not appear); tor
 linear with the weight reordered once into oneDNN's blocked layout (`mkldnn._reorder_linear_weight`,
 what inductor's freezing uses) does, and its cost hardly grows with the number of rows, which is
 what verifying drafts needs. Float32 is never packed: it stays the exactness reference, the same
-kernels as transformers (the float32 LM head multiplies a few rows as weight @ hiddenᵀ, `tables.py`).
+kernels as transformers (a product of a few float32 rows takes the weight @ xᵀ form instead,
+`infemeral/model/few_rows.py`; one row and a prompt's many are F.linear's, bit for bit).
 
 A packed weight is opaque (no rows to index), so a tied table, which is also the embedding, stays
 dense rather than being held twice; `F.linear` is the faster of the dense forms.

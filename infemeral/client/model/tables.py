@@ -7,11 +7,11 @@ dequantises only the rows it reads, the head multiplies by the whole table throu
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from infemeral.model import few_rows
 from infemeral.quant.int8 import aligned, dequantize_rows, int8_matmul
 
-FEW_ROWS = 16  # up to this many rows the float32 CPU head multiplies as weight @ hiddenᵀ
+HEAD_FEW_ROWS = 16  # a wide table gains from the weight @ hiddenᵀ form up to more rows than a layer does
 
 
 class DenseTokenTable:
@@ -28,17 +28,11 @@ class DenseTokenTable:
         return self.weight[ids]
 
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits of `hidden` [..., d]. In float32 on a CPU a few rows (a step with drafts to verify) are
-        multiplied as weight @ hiddenᵀ: MKL's kernel for a product of a few rows by a wide table is slow where
-        the tall-skinny shape is not (the default model's 49152-token head on 2 AVX2 cores: 2 rows 20.6 ms as
-        `F.linear`, 8.0 as weight @ hiddenᵀ; 3 rows 31.5 against 8.9; 1 row 9.3 either way). The logits are
-        the same up to float32 rounding. Otherwise, and in bfloat16 (where `F.linear` is the faster), as
-        transformers' LM head."""
-        flat = hidden.reshape(-1, hidden.shape[-1])
-        if self.weight.dtype == torch.float32 and self.weight.device.type == "cpu" and len(flat) <= FEW_ROWS \
-                and not self.weight.is_mkldnn:
-            return (self.weight @ flat.T).T.reshape(*hidden.shape[:-1], self.weight.shape[0])
-        return F.linear(hidden, self.weight)
+        """Logits of `hidden` [..., d], as transformers' LM head computes them, except that in float32 on a CPU
+        a few rows (a step with drafts to verify) are multiplied as weight @ hiddenᵀ (`few_rows`; for the default
+        model's 49152-token head on 2 AVX2 cores, 2 rows 20.6 ms as `F.linear` against 8.0; 3 rows 31.5 against
+        8.9; one row 9.3 either way)."""
+        return few_rows.linear(hidden, self.weight, most=HEAD_FEW_ROWS)
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.weight]
