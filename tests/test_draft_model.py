@@ -158,3 +158,32 @@ def test_a_draft_after_idling_is_charged_its_own_passes_not_the_catch_up(monkeyp
     length = DraftLength(cost=StepCost())
     Speculator([drafter], {"draft": length}, max_draft=3)._draft(drafter, context + [19, 20], 1)
     assert length.draft_seconds == drafter.last_seconds == 2.0  # the speculator learns the charged cost
+
+
+def test_drafting_every_step_is_charged_the_pass_over_its_own_accepted_drafts(monkeypatch):
+    """Drafting step after step, a proposal first reads the last draft of the step before (accepted, never
+    run) and the model's token: one pass, part of what drafting costs and charged, or a source as dear as
+    the served model looks cheaper than it is and is chosen where it slows the turn down."""
+    model = tiny_model(2)
+    drafter = DraftModel(model)
+    passes = []
+    real = drafter._forward
+
+    def counted_forward(ids):
+        passes.append(len(ids))
+        return real(ids)
+
+    monkeypatch.setattr(drafter, "_forward", counted_forward)
+    monkeypatch.setattr("infemeral.speculation.draft_model.time.perf_counter",
+                        lambda: float(sum(1 + n for n in passes)))
+    context = list(range(3, 11))
+    drafts = drafter.propose(context, 3)
+    passes.clear()
+    context = context + drafts + [5]  # all three accepted, then the model's own token
+    assert drafter.propose(context, 3) == greedy(model, context, 3)
+    assert passes == [2, 1, 1]  # the last draft with the model's token, then two more drafts
+    assert drafter.last_seconds == 7.0  # all charged
+    passes.clear()
+    context = context[:-3] + [6]  # the last two drafts rejected: nothing to read first
+    assert drafter.propose(context, 2) == greedy(model, context, 2)
+    assert passes == [1, 1] and drafter.last_seconds == 4.0

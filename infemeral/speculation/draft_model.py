@@ -88,6 +88,7 @@ class DraftModel:
         self._cache = None
         self._seen: list[int] = []  # the tokens whose keys/values are in the cache, in order
         self.last_seconds: float | None = None  # the last proposal's cost as if the cache had been current
+        self._drafts: tuple[int, list[int]] = (0, [])  # the last proposal: where its drafts start, the drafts
 
     @classmethod
     def load(cls, path: str | Path, target_tokenizer, dtype: torch.dtype = torch.float32) -> "DraftModel":
@@ -97,7 +98,7 @@ class DraftModel:
     def fork(self) -> "DraftModel":
         """A drafter over the same weights (shared, only read) with a cache of its own, empty."""
         other = copy.copy(self)
-        other._cache, other._seen = None, []
+        other._cache, other._seen, other._drafts = None, [], (0, [])
         return other
 
     @torch.inference_mode()
@@ -113,12 +114,15 @@ class DraftModel:
                 logits, seconds = self._timed_forward([token])
                 charged += seconds
         self.last_seconds = charged
+        self._drafts = (len(context_ids), draft)
         return draft
 
     def _feed(self, context: list[int]) -> tuple[torch.Tensor, float]:
-        """Bring the cache to `context` minus its last token, run that token: the logits after it, and the
-        seconds of that last one-token pass. Tokens verified while the drafter idled are read first, in a
-        pass of their own that is not counted: it is paid once after idling, not for every draft."""
+        """Bring the cache to `context` and return the logits after it, with the seconds charged for them.
+        Tokens not yet read that are the last proposal's own accepted drafts (drafting every step, the last
+        draft of the step before is one) are read with the last token in one pass, charged: it comes with
+        every proposal. Tokens verified while the drafter idled are read in a pass of their own that is not
+        charged: it is paid once after idling, not for every draft."""
         from transformers import DynamicCache
 
         keep = common_prefix(self._seen, context[:-1])
@@ -130,9 +134,15 @@ class DraftModel:
                 keep = 0
         if self._cache is None or keep == 0:
             self._cache, self._seen, keep = DynamicCache(), [], 0
-        if len(context) - keep > 1:
+        if len(context) - keep > 1 and not self._own_drafts(context, keep):
             self._forward(context[keep:-1])
-        return self._timed_forward(context[-1:])
+            keep = len(context) - 1
+        return self._timed_forward(context[keep:])
+
+    def _own_drafts(self, context: list[int], keep: int) -> bool:
+        """Whether context[keep:-1], the tokens read before the last one, are drafts of the last proposal."""
+        start, drafts = self._drafts
+        return start <= keep and context[keep:-1] == drafts[keep - start:len(context) - 1 - start]
 
     def _timed_forward(self, ids: list[int]) -> tuple[torch.Tensor, float]:
         started = time.perf_counter()
