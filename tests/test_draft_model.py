@@ -126,17 +126,10 @@ def test_forks_share_the_weights_and_draft_apart_in_threads():
             assert drafts == greedy(model, context, 3)
 
 
-def test_a_draft_after_idling_is_charged_its_own_passes_not_the_catch_up(monkeypatch):
-    """A draft model left idle has to catch up on every token verified since; charged to the one draft of a
-    probe, that made it look many times dearer than it is (the speculator then never chose it again). The
-    catch-up is read in a pass of its own, and a proposal is charged only its one-token passes."""
-    from infemeral.speculation.draft_length import DraftLength
-    from infemeral.speculation.speculator import Speculator
-    from infemeral.speculation.step_cost import StepCost
-
-    model = tiny_model(2)
-    drafter = DraftModel(model)
-    passes = []  # tokens read by each forward pass
+def on_a_fake_clock(drafter, monkeypatch) -> list[int]:
+    """The tokens each of `drafter`'s forward passes reads, as they happen, on a clock where a pass reading n
+    tokens takes 1 + n seconds."""
+    passes = []
     real = drafter._forward
 
     def counted_forward(ids):
@@ -144,9 +137,22 @@ def test_a_draft_after_idling_is_charged_its_own_passes_not_the_catch_up(monkeyp
         return real(ids)
 
     monkeypatch.setattr(drafter, "_forward", counted_forward)
-    # a fake clock on which a pass reading n tokens takes 1 + n seconds
     monkeypatch.setattr("infemeral.speculation.draft_model.time.perf_counter",
                         lambda: float(sum(1 + n for n in passes)))
+    return passes
+
+
+def test_a_draft_after_idling_is_charged_its_own_passes_not_the_catch_up(monkeypatch):
+    """A draft model left idle has to catch up on every token verified since; charged to the one draft of a
+    probe, that made it look many times dearer than it is (the speculator then never chose it again). The
+    catch-up is read in a pass of its own, and a proposal is charged only its own passes."""
+    from infemeral.speculation.draft_length import DraftLength
+    from infemeral.speculation.speculator import Speculator
+    from infemeral.speculation.step_cost import StepCost
+
+    model = tiny_model(2)
+    drafter = DraftModel(model)
+    passes = on_a_fake_clock(drafter, monkeypatch)
     context = list(range(3, 11))
     assert drafter.propose(context, 1) == greedy(model, context, 1)
     assert passes == [7, 1] and drafter.last_seconds == 2.0  # the prompt, then its last token: 2 s charged
@@ -166,16 +172,7 @@ def test_drafting_every_step_is_charged_the_pass_over_its_own_accepted_drafts(mo
     the served model looks cheaper than it is and is chosen where it slows the turn down."""
     model = tiny_model(2)
     drafter = DraftModel(model)
-    passes = []
-    real = drafter._forward
-
-    def counted_forward(ids):
-        passes.append(len(ids))
-        return real(ids)
-
-    monkeypatch.setattr(drafter, "_forward", counted_forward)
-    monkeypatch.setattr("infemeral.speculation.draft_model.time.perf_counter",
-                        lambda: float(sum(1 + n for n in passes)))
+    passes = on_a_fake_clock(drafter, monkeypatch)
     context = list(range(3, 11))
     drafts = drafter.propose(context, 3)
     passes.clear()
