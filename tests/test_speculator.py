@@ -180,3 +180,36 @@ def test_a_plain_step_is_timed_before_any_step_carries_drafts(clock):
     plain = [i for i, n in enumerate(sizes) if n == 1]
     assert len(plain) > 1 and all(b - a < 40 for a, b in zip(plain, plain[1:]))  # timed again, now and then
     assert sizes.count(1) < 0.1 * len(sizes)
+
+
+class CatchingUp(Guesser):
+    """A draft model: before drafting it reads every token verified since it last drafted, at `catch_up` seconds
+    a token, and reports what its proposal would have cost with its state current (`last_seconds`), as
+    DraftModel does."""
+
+    def __init__(self, *args, catch_up: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.catch_up, self.read, self.last_seconds = catch_up, 0, None
+
+    def propose(self, context, max_draft):
+        self.clock.t += self.catch_up * max(len(context) - 1 - self.read, 0)
+        drafts = super().propose(context, max_draft)
+        self.read = len(context) + len(drafts) - 1
+        self.last_seconds = self.seconds * max_draft
+        return drafts
+
+
+@pytest.mark.parametrize("rtt", [0.0, 0.080])
+def test_auto_weighs_a_draft_model_that_catches_up_after_idling(clock, rtt):
+    """The packaged model drafting for itself on the server's CPU: nearly always right, but a draft token costs
+    half a step and, chosen after other sources' steps, it first reads every token verified meanwhile (not
+    charged to its drafts). On a local link it gains nothing over prompt lookup, over a WAN it is the best
+    source there is: auto keeps up with the better of the two on both."""
+    step = dict(rtt=rtt + 0.09, per_position=0.01)  # a step: its round trip, the served model, each position
+    make = lambda: (Guesser("ngram", clock, seed=1, right=0.8, proposes=0.1),  # noqa: E731
+                    CatchingUp("draft", clock, seed=2, right=0.95, seconds=0.05, catch_up=0.02))
+    lookup_only = tokens_per_second(clock, [make()[0]], **step)
+    draft_only = tokens_per_second(clock, [make()[1]], **step)
+    auto = tokens_per_second(clock, list(make()), **step)
+    assert auto >= 0.97 * lookup_only
+    assert auto >= 0.95 * max(lookup_only, draft_only), (auto, lookup_only, draft_only)
