@@ -386,6 +386,27 @@ def test_draft_length_probes_a_costly_source_now_and_then():
     assert [k.choose(is_free=False) for _ in range(8)].count(1) == 1
 
 
+def test_a_right_probe_that_still_does_not_pay_makes_probes_rarer():
+    """A source that is nearly always right but whose draft tokens cost more than they save (the packaged model
+    drafting for itself on a local link): each probe is right, yet drafting still does not pay, so probes
+    become rarer just as after a wrong one — each one pays the source's cost and a catch-up besides."""
+    k = DraftLength(max_draft=4, probe_every=4, acceptance=0.95)
+    k.step_time(1, 0.1)
+    k.step_time(2, 0.12)
+    k.drafted(1, 0.2)  # a draft token costs two steps
+    gaps = []
+    for _ in range(4):
+        steps = 1
+        while k.choose(is_free=False) == 0:
+            steps += 1
+        gaps.append(steps)
+        k.update(1, 1)  # the probe's draft was right
+    assert gaps == [4, 8, 16, 32]
+    for _ in range(20):
+        k.drafted(1, 0.001)  # drafting became cheap: it pays again, and is chosen without waiting for a probe
+    assert k.choose(is_free=False) > 0
+
+
 def test_draft_length_weighs_acceptance_against_the_cost_of_a_longer_step():
     def with_cost(rtt: float, per_token: float) -> DraftLength:
         k = DraftLength(max_draft=8, acceptance=0.3)

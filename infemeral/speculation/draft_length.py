@@ -35,7 +35,8 @@ class DraftLength:
     a draft head or draft model otherwise). A free source (n-grams) is
     still asked at k = 0 and its first draft checked against the token actually sampled
     (`shadow`), so k comes back as soon as drafts would pay again; a costly source is probed
-    with one draft now and then, less often after every failed probe."""
+    with one draft now and then, less often after every probe that shows it still does not pay
+    (a wrong draft, or a right one whose cost outweighs it)."""
 
     max_draft: int = 8
     cost: StepCost = field(default_factory=lambda: StepCost())
@@ -96,9 +97,12 @@ class DraftLength:
         self._decay()
         self._accepted += num_accepted
         self._rejected += num_accepted < num_drafted
-        if self._probing and num_accepted == 0:
-            self._probe_gap = min(self._probe_gap * 2, 256)  # a failed probe: wait longer for the next
-        elif self.best_k() > 0:
+        pays = self.best_k() > 0
+        if self._probing and (num_accepted == 0 or not pays):
+            # a failed probe, or a right draft that still does not pay for what drafting costs here: wait
+            # longer for the next (each probe pays the source's cost, and a catch-up after idling besides)
+            self._probe_gap = min(self._probe_gap * 2, 256)
+        elif pays:
             self._probe_gap = self.probe_every
         self._probing = False
 
