@@ -18,8 +18,8 @@ import torch
 
 from infemeral.kvcache.cache import KVCache
 from infemeral.model import architecture, plain_decoder
-from infemeral.model.few_rows import use_few_rows
 from infemeral.model.attention import NAME as ATTENTION
+from infemeral.model.few_rows import use_few_rows
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -65,7 +65,7 @@ class LayerStack(torch.nn.Module):
                                    for k, v in weights.items()}, strict=True, assign=True)
             layers.append(layer.eval())
         self.layers = torch.nn.ModuleList(layers)
-        use_few_rows(self.layers)  # float32 on a CPU: a step of a few positions costs little more than one
+        use_few_rows(self.layers)  # float32 on a CPU: a step of 2-4 positions costs less (few_rows.py)
         self.rotary = rotary_cls(config=self.config).to(self.device)
         self.requires_grad_(False)
 
