@@ -200,11 +200,11 @@ class CatchingUp(Guesser):
 
 
 @pytest.mark.parametrize("rtt", [0.0, 0.080])
-def test_auto_weighs_a_draft_model_that_catches_up_after_idling(clock, rtt):
+def test_auto_keeps_up_with_a_draft_model_that_catches_up_after_idling(clock, rtt):
     """The packaged model drafting for itself on the server's CPU: nearly always right, but a draft token costs
     half a step and, chosen after other sources' steps, it first reads every token verified meanwhile (not
-    charged to its drafts). On a local link it gains nothing over prompt lookup, over a WAN it is the best
-    source there is: auto keeps up with the better of the two on both."""
+    charged to its drafts, nor weighed by auto). On a local link it gains nothing over prompt lookup, over a WAN
+    it is the best source there is: auto keeps up with the better of the two on both."""
     step = dict(rtt=rtt + 0.09, per_position=0.01)  # a step: its round trip, the served model, each position
     make = lambda: (Guesser("ngram", clock, seed=1, right=0.8, proposes=0.1),  # noqa: E731
                     CatchingUp("draft", clock, seed=2, right=0.95, seconds=0.05, catch_up=0.02))
