@@ -36,7 +36,12 @@ class DraftLength:
     still asked at k = 0 and its first draft checked against the token actually sampled
     (`shadow`), so k comes back as soon as drafts would pay again; a costly source is probed
     with one draft now and then, less often after every probe that shows it still does not pay
-    (a wrong draft, or a right one whose cost outweighs it)."""
+    (a wrong draft, or a right one whose cost outweighs it), and never beyond a budget: all its
+    probes together may take at most `probe_budget` of the session's time. A probe's real cost
+    includes what the source first reads to catch up with the conversation (a draft model reads
+    the whole prompt at a session's first probe), which is not a cost per draft token and so
+    appears nowhere else; measured, it keeps a source that is dear to wake from being probed in
+    sessions too short to repay it."""
 
     max_draft: int = 8
     cost: StepCost = field(default_factory=lambda: StepCost())
@@ -45,6 +50,7 @@ class DraftLength:
     prior_weight: float = 2.0    # pseudo-events behind the prior acceptance
     probe_every: int = 8         # costly sources: steps at k = 0 between probes (doubles per failure)
     min_gain: float = 0.02       # drafts must promise this much more speed than a plain step
+    probe_budget: float = 0.02   # costly sources: the share of the session's time its probes may take
 
     def __post_init__(self):
         if self.max_draft < 0:
@@ -55,6 +61,9 @@ class DraftLength:
         self._probe_gap = self.probe_every
         self._probing = False
         self.draft_seconds = 0.0  # measured seconds per drafted token, a running mean (0 until measured)
+        self.probe_seconds = 0.0  # what the last probe took, catch-up included (0 until measured)
+        self._elapsed = 0.0       # the session's time in steps and drafting, as `spent` reports it
+        self._probes_took = 0.0   # what this session's probes took together
 
     # -- estimates ------------------------------------------------------------------------------------
     @property
@@ -114,12 +123,28 @@ class DraftLength:
 
     def probe(self) -> bool:
         """For a costly source that is not drafting: whether this step should carry one draft of it, to learn
-        whether it would pay again (a probe every `probe_every` steps, rarer after every failed probe)."""
+        whether it would pay again (a probe every `probe_every` steps, rarer after every failed probe, and
+        only while the session's probes, this one included at what the last cost, stay within the budget)."""
         self._idle += 1
-        if self._idle >= self._probe_gap:
+        affordable = self._probes_took + self.probe_seconds <= self.probe_budget * self._elapsed
+        if self._idle >= self._probe_gap and affordable:
             self._idle, self._probing = 0, True
             return True
         return False
+
+    @property
+    def is_probing(self) -> bool:
+        """Whether the step being drafted is a probe (until its verdict comes back)."""
+        return self._probing
+
+    def probed(self, seconds: float) -> None:
+        """The probe took `seconds` on the laptop, everything included."""
+        self.probe_seconds = seconds
+        self._probes_took += seconds
+
+    def spent(self, seconds: float) -> None:
+        """The session spent `seconds` in a step and its drafting: the time the probe budget is a share of."""
+        self._elapsed += seconds
 
     def drafted(self, num_tokens: int, seconds: float) -> None:
         """Drafting `num_tokens` tokens took `seconds` on the laptop."""
@@ -140,21 +165,24 @@ class DraftLength:
         """A new session's length for a source: its prior acceptance and cost per draft token are what the
         client learnt of that source in its earlier sessions."""
         length = cls(cost=cost, acceptance=history.acceptance)
-        length.draft_seconds = history.draft_seconds
+        length.draft_seconds, length.probe_seconds = history.draft_seconds, history.probe_seconds
         return length
 
 
 @dataclass
 class SourceHistory:
-    """What a client learnt of one draft source over its sessions: the acceptance its drafts had lately and
-    what one draft token costs the laptop. A new session starts from it instead of a blind prior — which
+    """What a client learnt of one draft source over its sessions: the acceptance its drafts had lately,
+    what one draft token costs the laptop and what a probe of it took. A new session starts from it instead of a blind prior — which
     matters where sessions are short (an endpoint answering one request per session) — and then follows
     its own text."""
 
     acceptance: float = 0.5
     draft_seconds: float = 0.0
+    probe_seconds: float = 0.0  # what its last probe took, catch-up included
 
     def learn(self, length: DraftLength) -> None:
         self.acceptance = length.estimated_acceptance
         if length.draft_seconds:
             self.draft_seconds = length.draft_seconds
+        if length.probe_seconds:
+            self.probe_seconds = length.probe_seconds

@@ -15,7 +15,8 @@ unit of time are highest, so a source is used only where it beats the others
 — a costly head never where prompt lookup drafts for free as well, nor at all
 where drafting costs more than it saves. Free sources propose every step
 (their guesses not sent are checked against the tokens sampled); a costly
-source that is not chosen is probed with one draft now and then.
+source that is not chosen is probed with one draft now and then, its probes
+taking at most a small share of the session's time (catch-ups included).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class Proposal:
     started: float     # when the step began (after drafting, which is measured apart)
     source: str | None = None  # the source of `drafts`
     shadows: dict[str, list[int]] = field(default_factory=dict)  # several sources: each free one's guesses
+    drafting: float = 0.0  # the seconds `propose` took
 
 
 class Speculator:
@@ -81,11 +83,15 @@ class Speculator:
         `room` of them."""
         if not self.sources:
             return Proposal([], [], time.perf_counter())
+        began = time.perf_counter()
         if not next(iter(self.lengths.values())).cost.is_timed(1):
             room = 0  # a plain step first: what every draft length saves is weighed against its time
         if len(self.sources) == 1:
-            return self._propose_one(self.sources[0], context_ids, room)
-        return self._propose_best(context_ids, room)
+            proposal = self._propose_one(self.sources[0], context_ids, room)
+        else:
+            proposal = self._propose_best(context_ids, room)
+        proposal.drafting = proposal.started - began
+        return proposal
 
     def observed(self, ids: Sequence[int], features: torch.Tensor) -> None:
         """`features` [n, d] of the last n positions of `ids`, all verified: for sources that draft from them."""
@@ -101,6 +107,8 @@ class Speculator:
         drafts = proposal.drafts
         seconds = time.perf_counter() - proposal.started
         next(iter(self.lengths.values())).step_time(len(drafts) + 1, seconds)  # the link's cost: shared by all
+        for length in {id(x): x for x in self.lengths.values()}.values():  # one source, one length: once
+            length.spent(seconds + proposal.drafting)
         learnt = set()
         if drafts:
             self.lengths[proposal.source].update(len(drafts), len(new) - 1)
@@ -161,11 +169,14 @@ class Speculator:
         with its state current (`last_seconds`: a draft model that first caught up on the tokens verified
         while it was idle) is charged that: the catch-up is paid once, after idling, and charged to the one
         draft of a probe it would make drafting look many times dearer than it is, so that it was never
-        chosen again."""
+        chosen again. A probe's whole time, catch-up included, goes to the probe budget instead."""
         started = time.perf_counter()
         drafts = source.propose(context_ids, k)[:k]
         if not source.is_free:
+            took = time.perf_counter() - started
+            length = self.lengths[source.name]
             seconds = getattr(source, "last_seconds", None)
-            self.lengths[source.name].drafted(max(len(drafts), 1), seconds if seconds is not None else
-                                              time.perf_counter() - started)
+            length.drafted(max(len(drafts), 1), seconds if seconds is not None else took)
+            if length.is_probing:
+                length.probed(took)  # the catch-up included: what waking it costs
         return drafts
