@@ -40,6 +40,21 @@ def test_interleave_alternates_which_side_goes_first():
     assert base == ["b"] * 3 and subj == ["s"] * 3
 
 
+def test_repeated_speculation_runs_keep_the_fastest_of_each_mode_and_every_mismatch():
+    from bench.sections.speculation import SpecRow, summarise
+
+    def row(mode, tokens_per_second, identical=True):
+        return SpecRow("chat", 0, 80, mode, 48, tokens_per_second, 100.0, 48, 0, 0, 1.0, identical)
+
+    rows = [row("off", 5.0), row("ngram", 4.0), row("head", 6.0),  # the first repeat
+            row("off", 4.0), row("ngram", 5.5), row("head", 7.5, identical=False)]  # the second
+    facts = summarise(rows)
+    cell = facts["cells"]["chat/head/80"]
+    assert cell["tps_off"] == [5.0] and cell["tps_on"] == [7.5] and cell["mean_speedups"] == 1.5
+    assert facts["cells"]["chat/ngram/80"]["mean_speedups"] == 1.1
+    assert facts["runs"] == 6 and facts["mismatches"] == ["chat#0/head/80ms"]
+
+
 def test_results_json_keeps_row_properties_and_drops_nan(tmp_path):
     from bench.sections.context import ContextRow
 

@@ -172,9 +172,9 @@ class DraftLength:
 @dataclass
 class SourceHistory:
     """What a client learnt of one draft source over its sessions: the acceptance its drafts had lately,
-    what one draft token costs the laptop and what a probe of it took. A new session starts from it instead of a blind prior — which
-    matters where sessions are short (an endpoint answering one request per session) — and then follows
-    its own text."""
+    what one draft token costs the laptop and what a probe of it took. A new session starts from it
+    instead of a blind prior — which matters where sessions are short (an endpoint answering one request
+    per session) — and then follows its own text."""
 
     acceptance: float = 0.5
     draft_seconds: float = 0.0

@@ -68,6 +68,7 @@ class Params:
     profile_steps: int
     spec_tokens: int = 48
     spec_prompts: int = 5
+    spec_repeats: int = 2  # each run of the speculation section this often, the fastest kept (noise)
     spec_workloads: tuple[str, ...] = ()  # workloads of the speculation section (empty: all)
 
 
@@ -79,7 +80,7 @@ QUICK = Params(decode_tokens=24, decode_reps=1, contexts=[128, 512], context_ste
                context_dtypes=["float32", "bfloat16"], store_turns=8, store_tokens=8,
                concurrency=[1, 8], concurrency_tokens=16, concurrency_reps=1,
                concurrency_modes=["processes", "threads"], agreement_tokens=64, profile_steps=12, spec_tokens=16,
-               spec_prompts=2)
+               spec_prompts=2, spec_repeats=1)
 
 
 @dataclass
