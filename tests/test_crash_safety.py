@@ -62,7 +62,7 @@ from infemeral.storage.directory import MANIFEST, DirectoryStore
 pytestmark = pytest.mark.slow
 
 HIDDEN = 64
-ROUNDS = int(os.environ.get("INFEMERAL_CRASH_ROUNDS", "20"))
+ROUNDS = int(os.environ.get("INFEMERAL_CRASH_ROUNDS", "12"))
 SESSIONS = 3
 DELAY = (0.05, 0.6)     # seconds between the server reporting SERVING and SIGKILL
 AHEAD = 2               # servers booting while one is hammered (start-up is most of a round's time)
