@@ -31,7 +31,10 @@ def scored(reference):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one token per step: extra threads only add waits, badly so on a busy machine
     try:
-        results = compare(PlainModel.from_transformers(model), ids, WINDOW, SINK_TOKENS, PAGE_SIZE)
+        # The first WINDOW - 1 tokens fit without evicting: one prefill step for them gives the same numbers as
+        # token by token (measured: equal to 1e-6 in every mode, the same 20 slides) and a quarter fewer steps.
+        results = compare(PlainModel.from_transformers(model), ids, WINDOW, SINK_TOKENS, PAGE_SIZE,
+                          prefill=WINDOW - 1)
     finally:
         torch.set_num_threads(threads)
     return model, ids, results
