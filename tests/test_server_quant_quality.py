@@ -12,8 +12,13 @@ import pytest
 
 from infemeral.eval import server_quant as sq
 from infemeral.quant import served
+from infemeral.quant.calibration import calibration_ids
 
 TOKENS = 512
+# GPTQ calibrates on the first CALIBRATION_TOKENS of the chat text (prepare's `calibration_tokens`) rather than all
+# ~10k: each served layer is run twice over them, about half the cost. Measured on the rotated weights at g=64:
+# all 10112 tokens 1.181x, 8192 1.146x, 6144 1.171x, 4096 1.240x, 1024 1.338x (above the baseline's 1.276x).
+CALIBRATION_TOKENS = 6144
 
 
 @pytest.fixture(scope="module")
@@ -36,12 +41,13 @@ def test_int8_served_layers_stay_within_one_percent_of_float32(held):
 
 
 @pytest.mark.slow
-def test_the_default_int4_beats_plain_round_to_nearest(held):
+def test_the_default_int4_beats_plain_round_to_nearest(held, monkeypatch):
     """The default int4 (prepare --server-quant int4) on the pod's rotated weights against the baseline the
     issue measured first: the plain model's own layers, round-to-nearest symmetric int4 in groups of 32.
     The issue's 1.15x is the best int4's: GPTQ at g=32 reaches it in the benchmark section (1.050x/1.080x); the
     default g=64 reaches 1.15x-1.25x depending on the basis and text (docs/server_quant.md), so the bound guards
     that."""
+    monkeypatch.setattr(sq, "calibration_ids", lambda tokenizer: calibration_ids(tokenizer, CALIBRATION_TOKENS))
     default = perplexity_ratio(held, "rotated", sq.Mode.of(served.ServerQuant("int4")))
     baseline = perplexity_ratio(held, "plain", sq.Mode("int4", "rtn-sym", 32))
     assert default <= 1.25, f"default int4 perplexity {default:.3f}x float32"
