@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from infemeral.client.sampling import Sampler, SamplingParams
 from infemeral.speculation.acceptance import accept_drafts
-from infemeral.speculation.draft_length import DraftLength, expected_tokens
+from infemeral.speculation.draft_length import DraftLength, SourceHistory, expected_tokens
 from infemeral.speculation.step_cost import StepCost
 
 # -- a toy "model": logits as a fixed function of the context, so any decoding order sees the same numbers --
@@ -406,6 +406,30 @@ def test_a_right_probe_that_still_does_not_pay_makes_probes_rarer():
         k.drafted(1, 0.001)  # drafting became cheap: it pays again, and is chosen without waiting for a probe
     assert k.choose(is_free=False) > 0
 
+
+def test_probes_stay_within_their_share_of_the_session_time():
+    """A probe that took 0.5 s (a draft model reading the whole prompt first) is not repeated until the session
+    has run long enough for all its probes to be 2 % of its time: 50 s here, where the gap alone would allow
+    one every 8 steps. A new session starts from what the last probe took, so it waits as long."""
+    k = DraftLength(probe_every=8)
+    k.step_time(1, 0.1)
+    assert k.probe_budget == 0.02
+    steps = 0
+    while not k.probe():
+        k.spent(0.1)
+        steps += 1
+    assert steps == 7  # the first probe: its cost is not known yet, only the gap counts
+    k.probed(0.5)
+    k.update(1, 0)
+    steps = 0
+    while not k.probe():
+        k.spent(0.1)
+        steps += 1
+    assert k.probe_budget * (steps + 7) * 0.1 >= 1.0 > k.probe_budget * (steps + 6) * 0.1  # 1 s of probes in all
+    history = SourceHistory()
+    history.learn(k)
+    again = DraftLength.after(history, k.cost)
+    assert again.probe_seconds == 0.5 and not any(again.probe() for _ in range(100))
 
 def test_draft_length_weighs_acceptance_against_the_cost_of_a_longer_step():
     def with_cost(rtt: float, per_token: float) -> DraftLength:

@@ -124,7 +124,7 @@ class DraftLength:
     def probe(self) -> bool:
         """For a costly source that is not drafting: whether this step should carry one draft of it, to learn
         whether it would pay again (a probe every `probe_every` steps, rarer after every failed probe, and
-        only while the session's probes, this one included at what the last cost, stay within the budget)."""
+        only while the session's probes, this one counted at what the last one took, stay within the budget)."""
         self._idle += 1
         affordable = self._probes_took + self.probe_seconds <= self.probe_budget * self._elapsed
         if self._idle >= self._probe_gap and affordable:
