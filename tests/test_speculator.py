@@ -56,6 +56,17 @@ class Guesser:
         return drafts
 
 
+def verify(spec: Speculator, proposal, context: list[int]) -> list[int]:
+    """The model's answer to a step carrying `proposal` after `context` (the truth after n tokens is n, n+1, …):
+    the drafts up to the first wrong one and the model's own token, reported to `spec` and added to `context`."""
+    n = len(context)
+    accepted = next((j for j, d in enumerate(proposal.drafts) if d != n + j), len(proposal.drafts))
+    new = list(range(n, n + accepted + 1))
+    spec.verified(proposal, new)
+    context += new
+    return new
+
+
 def tokens_per_second(clock: Clock, sources: list, *, rtt: float, per_position: float, tokens: int = 600) -> float:
     spec = Speculator(sources, {}, 8, StepCost())
     start, done = clock.t, 0
@@ -63,16 +74,7 @@ def tokens_per_second(clock: Clock, sources: list, *, rtt: float, per_position: 
     while done < tokens:
         proposal = spec.propose(context, 8)
         clock.t += rtt + per_position * (1 + len(proposal.drafts))
-        n = len(context)
-        accepted = 0
-        for j, d in enumerate(proposal.drafts):
-            if d != n + j:
-                break
-            accepted += 1
-        new = list(range(n, n + accepted + 1))
-        spec.verified(proposal, new)
-        context += new
-        done += len(new)
+        done += len(verify(spec, proposal, context))
     return done / (clock.t - start)
 
 
@@ -170,11 +172,7 @@ def test_a_plain_step_is_timed_before_any_step_carries_drafts(clock):
     while len(sizes) < 80:
         proposal = spec.propose(context, 8)
         clock.t += 0.172 if not proposal.drafts else 0.215 + 0.005 * (len(proposal.drafts) - 1)
-        n = len(context)
-        accepted = next((j for j, d in enumerate(proposal.drafts) if d != n + j), len(proposal.drafts))
-        new = list(range(n, n + accepted + 1))
-        spec.verified(proposal, new)
-        context += new
+        verify(spec, proposal, context)
         sizes.append(len(proposal.drafts) + 1)
     assert sizes[0] == 1 and all(n > 1 for n in sizes[1:25])
     plain = [i for i, n in enumerate(sizes) if n == 1]
@@ -227,12 +225,7 @@ def short_sessions_tokens_per_second(clock: Clock, make_sources, *, step: float,
         for _ in range(tokens):
             proposal = spec.propose(context, 8)
             clock.t += step * (1 + 0.1 * len(proposal.drafts))
-            n = len(context)
-            accepted = next((j for j, d in enumerate(proposal.drafts) if d != n + j), len(proposal.drafts))
-            new = list(range(n, n + accepted + 1))
-            spec.verified(proposal, new)
-            context += new
-            done += len(new)
+            done += len(verify(spec, proposal, context))
     return done / (clock.t - start)
 
 
