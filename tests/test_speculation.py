@@ -431,6 +431,7 @@ def test_probes_stay_within_their_share_of_the_session_time():
     again = DraftLength.after(history, k.cost)
     assert again.probe_seconds == 0.5 and not any(again.probe() for _ in range(100))
 
+
 def test_draft_length_weighs_acceptance_against_the_cost_of_a_longer_step():
     def with_cost(rtt: float, per_token: float) -> DraftLength:
         k = DraftLength(max_draft=8, acceptance=0.3)
