@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from infemeral.cloak.bundle import ServerBundle
@@ -81,6 +82,52 @@ def test_shapes_without_a_kernel_are_said_and_dequantised(caplog):
     assert linear.kernel == "dequantize" and "dequantising them on every call" in caplog.text
     x = torch.randn(3, 128)
     assert torch.allclose(linear(x), x @ int4.dequantize(**stored).T, atol=1e-5)
+
+
+class OutputsSeen(TorchDispatchMode):
+    """Records the dtype and size of every tensor an operator makes while it is on."""
+
+    def __init__(self):
+        super().__init__()
+        self.made: list[tuple[torch.dtype, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        self.made += [(t.dtype, t.numel()) for t in outs if isinstance(t, torch.Tensor)]
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_int4_dequantising_in_half_precision_makes_no_float32_weight(dtype):
+    """The fallback runs on every call: its weight is made in the activation dtype, and is the float32 weight
+    rounded to it, bit for bit."""
+    stored = int4.quantize_rtn(outlier_weight(48, 128), 32)
+    with torch.device("meta"):
+        linear = int4.Int4Linear(128, 48, 32, bias=False, use_kernel=False)
+    linear.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in stored.items()}, assign=True)
+    x = torch.randn(3, 128).to(dtype)
+    with OutputsSeen() as seen:
+        y = linear(x)
+    assert y.dtype == dtype
+    assert max(n for t, n in seen.made if t == dtype) >= 48 * 128  # the weight was made, in the activation dtype
+    assert not [n for t, n in seen.made if t == torch.float32]
+    assert torch.equal(int4.dequantize(**stored, dtype=dtype), int4.dequantize(**stored).to(dtype))
+
+
+def test_int4_dequantised_in_float32_is_unchanged():
+    """float32 is every reference's dtype: (q - 8) * s + z computed in float32, bit for bit."""
+    stored = int4.quantize_rtn(outlier_weight(48, 128), 64)
+    groups = int4.group_view(int4.unpack_nibbles(stored["qweight"]), 64).float()
+    want = (groups - 8) * stored["scales"].float().unsqueeze(-1) + stored["zeros"].float().unsqueeze(-1)
+    assert torch.equal(int4.dequantize(**stored), want.reshape(48, 128))
+
+
+def test_int4_on_cuda_takes_bfloat16_only():
+    """tinygemm refuses other activations; the reason (logged once) says so, without a CUDA device to ask."""
+    for dtype in (torch.float16, torch.float32):
+        kind, reason = int4.kernel_for(torch.device("cuda"), dtype, 64, 128, 32)
+        assert kind is None and "bfloat16 only" in reason and str(dtype) in reason
 
 
 # -- the methods ----------------------------------------------------------------------------------------
@@ -324,3 +371,36 @@ def test_int8_codes_that_start_anywhere_in_memory_run_through_the_kernel():
     x = torch.randn(3, 128).to(torch.bfloat16)
     want = x.float() @ int8.dequantize_rows(codes, scales, torch.float32).T
     assert float((linear(x).float() - want).norm() / want.norm()) < 1e-2
+
+
+@pytest.mark.parametrize("rows, on_cuda", [(1, True), (4, True), (5, False), (64, False)])
+def test_int8_kernel_runs_on_cuda_for_a_few_rows_and_on_a_cpu_for_any(monkeypatch, rows, on_cuda):
+    """CUDA's `_weight_int8pack_mm` has no tensor cores and reads the weight once per row: a prefill there
+    multiplies the dequantised weight instead. The CPU kernel takes any number of rows."""
+    monkeypatch.setattr(int8, "has_int8_kernel", lambda device_type, dtype: True)  # as on a GPU that has it
+    assert int8.uses_int8_kernel("cuda", torch.bfloat16, rows, 128) is on_cuda
+    assert int8.uses_int8_kernel("cpu", torch.bfloat16, rows, 128)
+    assert not int8.uses_int8_kernel("cpu", torch.bfloat16, rows, 120)  # not a multiple of 16: never the kernel
+    assert int8.kernel_in_use("cuda", torch.bfloat16, 128) == (
+        f"_weight_int8pack_mm up to {int8.CUDA_KERNEL_MAX_ROWS} rows, dequantize above")
+    assert int8.kernel_in_use("cpu", torch.bfloat16, 128) == "_weight_int8pack_mm"
+    assert int8.kernel_in_use("cuda", torch.bfloat16, 120) == "dequantize"
+    asked = []
+    monkeypatch.setattr(int8, "uses_int8_kernel", lambda *a: asked.append(a) or False)
+    codes, scales = int8.quantize_rows(outlier_weight(48, 128))
+    int8.int8_matmul(torch.randn(rows, 128), codes, scales)
+    assert asked == [("cpu", torch.float32, rows, 128)]  # the matmul decides by its own rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("width", [128, 120])  # through the kernel; dequantised (no kernel for the width)
+def test_int8_matmul_on_a_cpu_is_unchanged(dtype, width):
+    """Bit for bit what it computed before CUDA's row limit: the kernel, or x @ (codes * scales)ᵀ made in float32."""
+    codes, scales = int8.quantize_rows(outlier_weight(48, width))
+    x = torch.randn(7, width).to(dtype)
+    s = scales.to(dtype)
+    if width % 16 == 0:
+        want = torch.ops.aten._weight_int8pack_mm(x, codes, s)
+    else:
+        want = x @ ((codes.float() * s.float().unsqueeze(-1)).to(dtype)).T
+    assert torch.equal(int8.int8_matmul(x, codes, scales), want)

@@ -6,8 +6,9 @@ scale s and a zero z, and its codes q are 0..15:
     w ≈ (q - 8) · s + z
 
 which is exactly what torch's int4 kernels compute (`aten._weight_int4pack_mm_for_cpu` on x86 CPUs,
-`aten._weight_int4pack_mm`, the "tinygemm" kernel, on CUDA GPUs from Ampere on): z is a float offset,
-so symmetric and asymmetric grids and the fitted ones of HQQ and GPTQ all fit the same format.
+`aten._weight_int4pack_mm`, the "tinygemm" kernel, on CUDA GPUs from Ampere on, bf16 activations only):
+z is a float offset, so symmetric and asymmetric grids and the fitted ones of HQQ and GPTQ all fit the
+same format.
 
 Stored per linear, everything indexed by output row first (so a range of output rows, or of whole
 groups of input columns, is a plain slice; tensor parallelism can shard either way):
@@ -62,11 +63,15 @@ def group_view(t: torch.Tensor, group_size: int) -> torch.Tensor:
 
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The weight [N, K] the stored codes stand for."""
+    """The weight [N, K] the stored codes stand for, made in `dtype` itself: a layer without a kernel does this
+    on every call, and a float32 [N, K] copy on the way to bf16 would cost it twice the memory and traffic.
+    (q - 8) · s is exact, and torch computes z + (q - 8) · s for bf16 and fp16 in float32 with one rounding,
+    so the result is the float32 weight rounded to `dtype` (bit for bit on the CPU)."""
     codes = unpack_nibbles(qweight)
     group_size = codes.shape[1] // scales.shape[1]
-    w = (group_view(codes, group_size).float() - MID) * scales.float().unsqueeze(-1) + zeros.float().unsqueeze(-1)
-    return w.reshape(codes.shape).to(dtype)
+    steps = group_view(codes, group_size).to(dtype) - MID
+    w = torch.addcmul(zeros.to(dtype).unsqueeze(-1), steps, scales.to(dtype).unsqueeze(-1))
+    return w.reshape(codes.shape)
 
 
 def codes_for(weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
@@ -155,6 +160,8 @@ def kernel_for(device: torch.device, dtype: torch.dtype, out_features: int, in_f
             return None, f"{out_features} output rows (the CPU kernel needs a multiple of 16)"
         return ("cpu", "") if _probe("cpu", dtype) else (None, f"no int4 CPU kernel for {dtype} activations")
     if device.type == "cuda":
+        if dtype != torch.bfloat16:
+            return None, f"{dtype} activations: tinygemm, the CUDA int4 kernel, takes bfloat16 only"
         if out_features % 8 or _cuda_inner_k_tiles(in_features) is None:
             return None, f"shape [{out_features}, {in_features}] (the CUDA kernel needs N % 8 and K % 32 == 0)"
         return ("cuda", "") if _probe(str(device), dtype) else (None, f"no int4 CUDA kernel for {dtype} here")

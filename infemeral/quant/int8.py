@@ -5,9 +5,11 @@ decode token the laptop reads every weight of its LM head and local layers once;
 (128,256 rows) that read is the client's cost (DESIGN.md §10). Int8 codes with a scale per
 output row halve the read against bf16 and quarter it against fp32. The matmul is torch's
 `aten._weight_int8pack_mm` (activations in the compute dtype, int8 weights [N, K], scales [N]), fast on
-x86 CPUs with bf16 activations. Where it cannot run (no kernel for the device, or a width that is not a
-multiple of 16, which the CPU kernel reads in blocks of 16 without checking) the weights are dequantised
-for the call instead: slower, same numbers.
+x86 CPUs with bf16 activations. Its CUDA version uses no tensor cores and reads the whole weight again for
+every activation row, so on CUDA it runs only a few rows (a decode step) and a longer input multiplies
+the weights dequantised into its dtype. Where the kernel cannot run (no kernel for the device, or a width
+that is not a multiple of 16, which the CPU kernel reads in blocks of 16 without checking) the weights
+are dequantised for the call too: slower, same numbers.
 
 Scales are rounded to bfloat16 before the codes are chosen, so the codes fit exactly the scale the
 kernel multiplies by when activations are bf16, and a bundle stores each scale once, losslessly.
@@ -19,6 +21,7 @@ import functools
 from collections.abc import Mapping
 
 import torch
+import torch.nn.functional as F
 
 # The decoder-layer linears the client quantises (every nn.Linear of a supported layer).
 QUANTIZED_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -27,6 +30,11 @@ QUANT_MODES = ("none", "int8")
 SCALE_SUFFIX = ".scale"  # bundle name of a quantised weight's scales: "<module>.scale" next to "<module>.weight"
 _ROWS_PER_CHUNK = 8192  # quantise big tables in slices, so a 128k-row head needs no full-size float copy
 _ALIGN = 64
+# Most activation rows CUDA's `_weight_int8pack_mm` multiplies; longer inputs dequantise once and use F.linear.
+# Chosen from a reading of the kernel (no tensor cores, one pass over the weight per row), not measured yet:
+# to be measured on a GPU.
+CUDA_KERNEL_MAX_ROWS = 4
+KERNEL = "_weight_int8pack_mm"
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,14 +80,32 @@ def aligned(t: torch.Tensor) -> torch.Tensor:
     return t if t.data_ptr() % _ALIGN == 0 else t.clone()
 
 
+def uses_int8_kernel(device_type: str, dtype: torch.dtype, rows: int, in_features: int) -> bool:
+    """Whether `int8_matmul` multiplies `rows` activations through the kernel (else: the dequantised weight)."""
+    if in_features % 16 or (device_type == "cuda" and rows > CUDA_KERNEL_MAX_ROWS):
+        return False
+    return has_int8_kernel(device_type, dtype)
+
+
+def kernel_in_use(device_type: str, dtype: torch.dtype, in_features: int) -> str:
+    """What multiplies an Int8Linear's inputs here, in words (for the log and `served.kernels_in_use`)."""
+    if not uses_int8_kernel(device_type, dtype, 1, in_features):
+        return "dequantize"
+    if device_type == "cuda":
+        return f"{KERNEL} up to {CUDA_KERNEL_MAX_ROWS} rows, dequantize above"
+    return KERNEL
+
+
 def int8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ (codes * scales)ᵀ -> [M, N] in x's dtype. The kernel reads `scales` as x's dtype without
     checking (other activations than the weights were loaded for crash it), so they are cast when they differ."""
     if scales.dtype != x.dtype:
         scales = scales.to(x.dtype)
-    if codes.shape[1] % 16 == 0 and has_int8_kernel(x.device.type, x.dtype):
+    if uses_int8_kernel(x.device.type, x.dtype, x.shape[0], codes.shape[1]):
         return torch.ops.aten._weight_int8pack_mm(aligned(x), aligned(codes), scales)
-    return x @ dequantize_rows(codes, scales, x.dtype).T
+    # The numbers of dequantising through float32 (with bf16 or fp16 scales each code * scale is exact in
+    # float32 before its one rounding to x's dtype), without a float32 copy of the weight.
+    return F.linear(x, codes.to(x.dtype) * scales.unsqueeze(-1))
 
 
 class Int8Linear(torch.nn.Module):

@@ -227,14 +227,10 @@ def kernels_in_use(layers: torch.nn.Module) -> dict[str, int]:
         elif isinstance(module, DequantizedInt8Linear):
             kind = "int8 dequantize"
         elif isinstance(module, int8.Int8Linear):
-            kind = "int8 _weight_int8pack_mm" if _int8_kernel_runs(module) else "int8 dequantize"
+            kind = "int8 " + int8.kernel_in_use(module.weight.device.type, module.scale.dtype, module.in_features)
         elif isinstance(module, torch.nn.Linear):
             kind = "dense"
         else:
             continue
         counts[kind] = counts.get(kind, 0) + 1
     return counts
-
-
-def _int8_kernel_runs(module) -> bool:
-    return module.in_features % 16 == 0 and int8.has_int8_kernel(module.weight.device.type, module.scale.dtype)
