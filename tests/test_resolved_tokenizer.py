@@ -176,6 +176,37 @@ def test_a_tokenizer_with_rules_of_its_own_gets_no_file(edit, why, bundles, tmp_
     assert not isinstance(ClientBundle.open(bundle).laptop_tokenizer(), resolved_tokenizer.ResolvedTokenizer)
 
 
+def tiny_tokenizer(model: str, clean_up_tokenization_spaces: bool):
+    """A tokenizer of a few words, built in memory: a WordPiece or Unigram model (not BPE) whose own decoder
+    keeps the spaces before punctuation, so that transformers' clean-up is what removes them."""
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    words = ["[UNK]", "hello", "world", ",", "!"]
+    if model == "WordPiece":
+        backend = tokenizers.Tokenizer(models.WordPiece({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+        backend.decoder = decoders.WordPiece(cleanup=False)
+    else:
+        backend = tokenizers.Tokenizer(models.Unigram([(w, -1.0) for w in words], unk_id=0))
+    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    return TokenizersBackend(tokenizer_object=backend, unk_token="[UNK]",
+                             clean_up_tokenization_spaces=clean_up_tokenization_spaces)
+
+
+@pytest.mark.parametrize("model", ["WordPiece", "Unigram"])
+def test_a_tokenizer_that_is_not_bpe_and_cleans_up_spaces_gets_no_file(model, tmp_path):
+    """transformers cleans up a non-BPE model's spaces when it decodes, which `tokenizers` alone does not."""
+    cleaning, plain = tiny_tokenizer(model, True), tiny_tokenizer(model, False)
+    ids = plain("hello , world !")["input_ids"]
+    assert cleaning.decode(ids) != plain.decode(ids)  # the clean-up changes the text
+    assert "cleans up spaces" in resolved_tokenizer.why_not_resolvable(cleaning)
+    assert not resolved_tokenizer.write(cleaning, tmp_path) and not list(tmp_path.iterdir())
+    assert resolved_tokenizer.why_not_resolvable(plain) is None  # without the clean-up, the file reads the same
+    assert resolved_tokenizer.write(plain, tmp_path)
+    assert resolved_tokenizer.load(tmp_path).decode(ids) == plain.decode(ids)
+
+
 def test_a_family_class_that_overrides_decoding_gets_no_file(bundles):
     from transformers.tokenization_utils_tokenizers import TokenizersBackend
 

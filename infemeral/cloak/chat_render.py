@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from datetime import datetime
 
 import jinja2
@@ -22,8 +23,13 @@ import jinja2.nodes
 import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from infemeral.errors import FailedPrecondition
+
 # The names under which a message's reasoning may arrive; templates read the first.
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+# Older jinja2 lets a template out of its sandbox (CVE-2024-56326, CVE-2025-27516: `|attr('format')` reaches
+# str.format unchecked, and through it the process's globals); transformers refuses those versions too.
+SAFE_JINJA2 = (3, 1, 6)
 
 
 class GenerationBlock(jinja2.ext.Extension):
@@ -121,8 +127,23 @@ def _message(message: dict) -> dict:
     return message
 
 
+def jinja2_version() -> str:
+    """The version of the jinja2 that renders templates here."""
+    return jinja2.__version__
+
+
+def check_jinja2() -> None:
+    """Refuse to run a chat template (a program that came with the model) under a jinja2 it can escape."""
+    version = jinja2_version()
+    if tuple(int(part) for part in re.findall(r"\d+", version)[:3]) < SAFE_JINJA2:
+        safe = ".".join(map(str, SAFE_JINJA2))
+        raise FailedPrecondition(f"jinja2 {version} lets a chat template escape its sandbox (CVE-2024-56326, "
+                                 f"CVE-2025-27516); upgrade it: pip install 'jinja2>={safe}'")
+
+
 def render(source: str, messages: list[dict], *, add_generation_prompt: bool, special_tokens: dict[str, str]) -> str:
     """`messages` rendered by the template `source`; `special_tokens` are the tokenizer's (bos_token, ...)."""
+    check_jinja2()
     if not messages:
         raise ValueError("cannot render an empty conversation")
     for message in messages:
