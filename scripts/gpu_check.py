@@ -64,22 +64,18 @@ def say(msg: str) -> None:
     print(msg, flush=True)
 
 
-def environment() -> str:
-    """What this machine has, or exit 2 with what is missing."""
-    if not torch.cuda.is_available():
-        say("gpu_check: torch sees no CUDA device (torch " + torch.__version__ + "). Run this on the GPU pod, with a "
-            "CUDA build of torch: see README, \"Deploying on RunPod\".")
+def environment():
+    """What this machine has (scripts/gpu_env.py's preflight, printed), or exit 2 where the checks cannot run:
+    no usable CUDA torch, or no FlashInfer."""
+    import gpu_env
+
+    env = gpu_env.report()
+    for line in env.lines():
+        say(line)
+    if env.status in (gpu_env.NO_CUDA, gpu_env.NO_FLASHINFER):
+        say("gpu_check: this machine cannot run the checks (the problems above)")
         sys.exit(2)
-    try:
-        import flashinfer
-    except ImportError as e:
-        say(f"gpu_check: FlashInfer is not importable ({e}). Install it with `pip install 'infemeral[cuda]'` "
-            "(the Docker image has it).")
-        sys.exit(2)
-    base = os.environ.get("FLASHINFER_WORKSPACE_BASE", str(Path.home()))
-    return (f"{torch.cuda.get_device_name()} ({torch.cuda.get_device_properties(0).total_memory / 2**30:.0f} GiB), "
-            f"torch {torch.__version__} (CUDA {torch.version.cuda}), flashinfer "
-            f"{getattr(flashinfer, '__version__', '?')}, kernel cache {Path(base) / '.cache' / 'flashinfer'}")
+    return env
 
 
 # -- 1. kernels -----------------------------------------------------------------------------------
@@ -517,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tp-layers", type=int, default=8, help="layers of the 8B-shaped model for the "
                         "tensor-parallel check (default 8; written to disk as a bundle)")
     args = parser.parse_args(argv)
-    say("gpu_check: " + environment())
+    environment()
     checks: list[Check] = []
 
     def attempt(name, fn, *a):
