@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
+import logging
+import sys
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from infemeral.kvcache.paged import PagedBatch, PagedSequence, PagePool, PoolExhausted
+from infemeral.model import paged_attention
 from infemeral.model.attention import attend
 from infemeral.model.paged_attention import (IN_PLACE_MIN_TOKENS, BatchShape, FlashInferBackend, TorchBackend,
                                              TorchPlan, select_backend, torch_paged_attention)
@@ -338,6 +345,89 @@ def test_flashinfer_window_layers_get_their_own_plan_and_tensor_cores_follow_the
     batch8, backend8, fake8 = flashinfer_batch([1, 1, 1], heads=4 * KVH)
     backend8.run(torch.randn(3, 4 * KVH, D), batch8.pool.k[0], batch8.pool.v[0], batch8, D ** -0.5)
     assert [c[2]["use_tensor_cores"] for c in fake8.calls if c[:2] == ("decode", "new")] == [True]
+
+
+# -- choosing FlashInfer on a CUDA device, decided on the CPU -----------------------------------------------
+CUDA = torch.device("cuda")  # only named: nothing is allocated on it below
+
+
+@pytest.fixture
+def fake_flashinfer(monkeypatch):
+    """`import flashinfer` finds a fake, and its workspace is made on the CPU."""
+    fake = FakeFlashInfer()
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    monkeypatch.setattr(paged_attention, "zeroed_workspace", lambda nbytes, device: torch.zeros(1, dtype=torch.uint8),
+                        raising=False)
+    return fake
+
+
+def test_float32_on_cuda_takes_the_pytorch_backend_and_says_why(fake_flashinfer, caplog):
+    """FlashInfer has no float32 kernels: auto does not hand it a float32 model, an explicit request is refused."""
+    with caplog.at_level(logging.INFO, logger="infemeral.model.paged_attention"):
+        assert select_backend("auto", CUDA, H, KVH, D, PAGE, torch.float32).name == "torch"
+    assert [r.getMessage() for r in caplog.records] == ["FlashInfer has no float32 kernels; using the PyTorch "
+                                                        "paged attention"]
+    with pytest.raises(ValueError, match="no float32 kernels.*--attention-backend torch"):
+        select_backend("flashinfer", CUDA, H, KVH, D, PAGE, torch.float32)
+    for dtype in (torch.bfloat16, torch.float16):
+        backend = select_backend("auto", CUDA, H, KVH, D, PAGE, dtype)
+        assert backend.name == "flashinfer" and backend.fi is fake_flashinfer
+
+
+class BrokenImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """`import flashinfer` raising what a broken install raises (a missing CUDA library, a toolkit mismatch)."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+    def find_spec(self, name, path=None, target=None):
+        return importlib.util.spec_from_loader(name, self) if name == "flashinfer" else None
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        raise self.error
+
+
+@pytest.mark.parametrize("error, level, hint", [
+    (OSError("libcudart.so.13: cannot open shared object file"), logging.WARNING, "a working FlashInfer"),
+    (RuntimeError("FlashInfer requires CUDA 13.0 or later"), logging.WARNING, "a working FlashInfer"),
+    (ModuleNotFoundError("No module named 'cuda'", name="cuda"), logging.WARNING, "a working FlashInfer"),
+    (ModuleNotFoundError("No module named 'flashinfer'", name="flashinfer"), logging.INFO,
+     "pip install infemeral\\[cuda\\]")])
+def test_flashinfer_failing_to_import_falls_back_or_is_refused_with_the_cause(monkeypatch, caplog, error, level, hint):
+    monkeypatch.delitem(sys.modules, "flashinfer", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [BrokenImport(error), *sys.meta_path])
+    with caplog.at_level(logging.INFO, logger="infemeral.model.paged_attention"):
+        assert select_backend("auto", CUDA, H, KVH, D, PAGE, torch.bfloat16).name == "torch"
+    (record,) = caplog.records
+    assert record.levelno == level and "using the PyTorch paged attention" in record.getMessage()
+    if level == logging.WARNING:
+        assert f"{type(error).__name__}: {error}" in record.getMessage()
+    with pytest.raises(ValueError, match=f"cannot import flashinfer \\({type(error).__name__}: .*{hint}") as e:
+        select_backend("flashinfer", CUDA, H, KVH, D, PAGE, torch.bfloat16)
+    assert str(error) in str(e.value) and e.value.__cause__ is error
+
+
+class OpsRun(TorchDispatchMode):
+    """Records every operator run while it is on."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_flashinfer_workspace_starts_zeroed():
+    """FlashInfer's wrappers require their float workspace zeroed before the first use (split-k state lives there)."""
+    with OpsRun() as seen:
+        backend = FlashInferBackend(torch.device("meta"), H, KVH, D, PAGE, torch.bfloat16, module=FakeFlashInfer())
+    assert backend.workspace.numel() == FlashInferBackend.WORKSPACE_BYTES
+    assert seen.ops == [torch.ops.aten.zeros.default]  # made zeroed, not torch.empty
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashInfer runs on CUDA only")

@@ -13,8 +13,9 @@ reuse the plan in every layer.
   into a padded [B, KVH, L, D] block, positions past each sequence's length zeroed,
   one SDPA with a length/causal/window mask. Prefills and long caches (where the
   attention itself outweighs a call's overhead) run one SDPA each.
-* `flashinfer`: FlashInfer's paged kernels on CUDA; the decode wrapper for
-  decode-only batches, the prefill (append) wrapper otherwise.
+* `flashinfer`: FlashInfer's paged kernels on CUDA in bf16 or fp16 (it has no
+  float32 kernels); the decode wrapper for decode-only batches, the prefill (append)
+  wrapper otherwise.
 """
 
 from __future__ import annotations
@@ -244,6 +245,15 @@ class TorchBackend:
 
 
 # -- FlashInfer -------------------------------------------------------------------------------------
+FLASHINFER_DTYPES = (torch.bfloat16, torch.float16)  # it has no float32 kernels
+
+
+def zeroed_workspace(nbytes: int, device: torch.device) -> torch.Tensor:
+    """FlashInfer's float workspace, which its wrappers require zeroed before their first use (split-k partial
+    results live there; uninitialised memory is not a valid start)."""
+    return torch.zeros(nbytes, dtype=torch.uint8, device=device)
+
+
 def host_int32(values, pin: bool) -> torch.Tensor:
     """An int32 CPU tensor (pinned on a CUDA machine): FlashInfer's plan() reads these on the host anyway,
     so passing device tensors would cost a synchronising copy back every step."""
@@ -270,7 +280,7 @@ class FlashInferBackend:
                                                                                page_size)
         group = num_qo_heads // num_kv_heads
         self.use_tensor_cores = group >= self.TENSOR_CORE_GROUP or group not in self.CUDA_CORE_GROUPS
-        self.workspace = torch.empty(self.WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        self.workspace = zeroed_workspace(self.WORKSPACE_BYTES, self.device)
         self._wrappers: dict = {}  # (kind, window) -> wrapper; each holds its own plan
         self._batch = self._shape = self._host = None
         self._planned: set = set()
@@ -325,16 +335,34 @@ class FlashInferBackend:
 
 def select_backend(name: str, device: torch.device, num_qo_heads: int, num_kv_heads: int, head_dim: int,
                    page_size: int, dtype: torch.dtype):
-    """`auto` picks FlashInfer on CUDA when it is installed, else plain PyTorch."""
+    """`auto` picks FlashInfer on CUDA in bf16 or fp16 when it imports, else plain PyTorch (saying why)."""
     if name not in ("auto", "torch", "flashinfer"):
         raise ValueError(f"attention backend must be auto, torch or flashinfer, not {name!r}")
-    if name in ("auto", "flashinfer") and device.type == "cuda":
-        try:
-            return FlashInferBackend(device, num_qo_heads, num_kv_heads, head_dim, page_size, dtype)
-        except ImportError:
-            if name == "flashinfer":
-                raise ValueError("attention backend 'flashinfer' needs `pip install infemeral[cuda]`") from None
+    if name == "torch":
+        return TorchBackend()
+    if device.type != "cuda":
+        if name == "flashinfer":
+            raise ValueError("attention backend 'flashinfer' needs a CUDA device")
+        return TorchBackend()
+    if dtype not in FLASHINFER_DTYPES:
+        dtype_name = str(dtype).removeprefix("torch.")
+        if name == "flashinfer":
+            raise ValueError(f"attention backend 'flashinfer' has no {dtype_name} kernels; use --dtype bfloat16 or "
+                             "float16, or --attention-backend torch")
+        log.info("FlashInfer has no %s kernels; using the PyTorch paged attention", dtype_name)
+        return TorchBackend()
+    try:
+        import flashinfer
+    except Exception as e:  # noqa: BLE001 - a broken CUDA toolkit fails the import with OSError, RuntimeError, ...
+        cause = f"{type(e).__name__}: {e}"
+        missing = isinstance(e, ModuleNotFoundError) and e.name == "flashinfer"  # not one of its own imports
+        if name == "flashinfer":
+            hint = "`pip install infemeral[cuda]`" if missing else "a working FlashInfer"
+            raise ValueError(f"attention backend 'flashinfer' cannot import flashinfer ({cause}); it needs {hint}, "
+                             "or use --attention-backend torch") from e
+        if missing:
             log.info("FlashInfer is not installed; using the PyTorch paged attention")
-    elif name == "flashinfer":
-        raise ValueError("attention backend 'flashinfer' needs a CUDA device")
-    return TorchBackend()
+        else:
+            log.warning("FlashInfer failed to import (%s); using the PyTorch paged attention", cause)
+        return TorchBackend()
+    return FlashInferBackend(device, num_qo_heads, num_kv_heads, head_dim, page_size, dtype, module=flashinfer)
