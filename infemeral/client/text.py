@@ -7,6 +7,10 @@ class TextStream:
     """The answer's text as its tokens arrive: cut at the first stop string, and held back while it
     could still become one, or while it ends in half a character.
 
+    Half a character (the U+FFFD a decoder shows until the rest of its bytes arrive) is not text yet: no
+    stop string is matched in it, and the text before it is held back as if the character were there, since
+    it may begin a stop string that the character ends. What was shown, put together, is the final text.
+
     Each token costs a bounded amount of work, however long the answer: only the newest tokens are
     decoded (with a few before them as context, as a detokenizer must: a piece's leading space, a
     character split over tokens), stop strings are looked for only where a new one can be, and text is
@@ -43,27 +47,31 @@ class TextStream:
         if tail is None:  # the decoder changed text it gave before (invalid bytes): begin again from the whole
             known, tail = 0, self._start_over()
         view = self._recent + tail
+        whole = len(view.rstrip("\ufffd"))  # up to half a character: stop strings are looked for, text shown
         search_from = max(known - self.longest_stop + 1 - self._recent_at, 0)
-        hits = [i for i in (view.find(s, search_from) for s in self.stop) if i >= 0]
-        if hits:
-            view, self.is_stopped = view[:min(hits)], True
+        if self._cut_at_stop(view, search_from, whole):
+            return self._emit(self._recent_at + len(self._view))
         self._view = view
-        if not (self._is_whole or self.is_stopped) and tail and not tail.endswith("\ufffd"):  # whole characters
+        if not self._is_whole and tail and whole == len(view):  # whole characters
             self._recent += tail
             self._context, self._read = self._read, len(self.token_ids)
-        length = self._recent_at + len(view)
-        if self.is_stopped:
-            delta = self._emit(length)
-        else:
-            ready = max(self._emitted, length - self.hold)
-            is_half = ready > self._emitted and view[ready - 1 - self._recent_at] == "\ufffd"  # half a character
-            delta = "" if is_half else self._emit(ready)
+        delta = self._emit(self._recent_at + whole - self.hold)
         self._forget_read_text()
         return delta
 
     def flush(self) -> str:
-        """Whatever was held back, at the end of the answer."""
+        """Whatever was held back, at the end of the answer (a U+FFFD still at its end is the answer's now)."""
+        if not self.is_stopped:
+            whole = len(self._view.rstrip("\ufffd"))
+            self._cut_at_stop(self._view, max(whole - self.longest_stop + 1, 0), len(self._view))
         return self._emit(self._recent_at + len(self._view))
+
+    def _cut_at_stop(self, view: str, start: int, end: int) -> bool:
+        """Whether a stop string lies in view[start:end]; if so the answer ends before the first one."""
+        hits = [i for i in (view.find(s, start, end) for s in self.stop) if i >= 0]
+        if hits:
+            self._view, self.is_stopped = view[:min(hits)], True
+        return bool(hits)
 
     def _decode_tail(self) -> str | None:
         """The text of token_ids[_read:] (it may end in half a character); None if decoding it with its
