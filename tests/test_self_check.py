@@ -21,30 +21,38 @@ CPU = torch.device("cpu")
 
 
 class FakeBackend:
-    """Plays FlashInfer: raises, or returns the PyTorch backend's answer shifted by `offset`, or gets it right."""
+    """Plays FlashInfer: raises, or returns the PyTorch backend's answer shifted by `offset` (or with NaN in all
+    or one of its values), or gets it right; `only` limits the fault to the windowed cases."""
 
     name = "flashinfer"
 
-    def __init__(self, fail: str | None = None, offset: float = 0.0, only: str | None = None):
-        self.fail, self.offset, self.only = fail, offset, only
+    def __init__(self, fail: str | None = None, offset: float = 0.0, only: str | None = None, nan: str | None = None):
+        self.fail, self.offset, self.only, self.nan = fail, offset, only, nan
         self.inner = TorchBackend()
         self.calls = 0
+        self.runs = []  # (sliding window, new tokens of each sequence) of every call
 
     def plan(self, batch):
         self.inner.plan(batch)
 
     def run(self, q, k_pages, v_pages, batch, sm_scale, sliding_window=None):
         self.calls += 1
+        self.runs.append((sliding_window, tuple(batch.qo_indptr.diff().tolist())))
         if self.fail:
             raise RuntimeError(self.fail)
         out = self.inner.run(q, k_pages, v_pages, batch, sm_scale, sliding_window)
         if self.only is None or (self.only == "window") == (sliding_window is not None):
             out = out + self.offset
+            if self.nan == "all":
+                out = torch.full_like(out, float("nan"))
+            elif self.nan == "one":
+                out = out.clone()
+                out[-1, 0, 0] = float("nan")
         return out
 
 
-def check(backend, requested="auto", dtype=torch.float32):
-    return checked_attention(requested, backend, CPU, **SHAPE, dtype=dtype)
+def check(backend, requested="auto", dtype=torch.float32, sliding_window=64):
+    return checked_attention(requested, backend, CPU, **SHAPE, dtype=dtype, sliding_window=sliding_window)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -54,11 +62,40 @@ def test_the_pytorch_backend_passes_its_own_check(dtype):
 
 def test_every_case_is_exercised():
     names = {case.name for case in self_check.ATTENTION_CASES}
-    assert names == {"decode", "prefill with a causal offset", "sliding window", "ragged batch"}
+    assert names == {"decode", "prefill with a causal offset", "sliding window, decode",
+                     "sliding window, mixed batch", "ragged batch"}
     prefill = next(c for c in self_check.ATTENTION_CASES if c.name == "prefill with a causal offset")
     assert all(k > n for k, n in zip(prefill.kv_lengths, prefill.new_tokens))  # queries sit after cached keys
     backend = FakeBackend()
     assert check(backend) is backend and backend.calls == len(self_check.ATTENTION_CASES)
+
+
+def test_a_model_with_a_window_checks_the_windowed_decode_and_one_without_skips_the_window():
+    """FlashInfer plans a decode-only batch on its decode wrapper and anything else on its prefill wrapper: a
+    windowed model needs both checked with a window; a model without one never attends with a window."""
+    windowed = FakeBackend()
+    check(windowed, sliding_window=64)
+    window_runs = [tokens for window, tokens in windowed.runs if window is not None]
+    assert {window for window, _ in windowed.runs} == {None, 64}
+    assert any(set(tokens) == {1} for tokens in window_runs)  # every sequence adds one token: the decode wrapper
+    assert any(max(tokens) > 1 for tokens in window_runs)
+    small = FakeBackend()
+    check(small, sliding_window=4)  # a window smaller than the cases' is the model's own
+    assert {window for window, _ in small.runs} == {None, 4}
+    plain = FakeBackend()
+    check(plain, sliding_window=None)
+    assert plain.runs and all(window is None for window, _ in plain.runs)
+
+
+@pytest.mark.parametrize("nan, only", [("all", None), ("one", None), ("one", "window")])
+def test_a_backend_returning_nan_fails_the_check(nan, only, caplog):
+    """NaN is no number: `nan > limit` is false, so a NaN anywhere in a backend's answer (where the reference is
+    finite) must be caught on its own."""
+    with caplog.at_level(logging.WARNING, logger="infemeral.server.self_check"):
+        assert isinstance(check(FakeBackend(nan=nan, only=only)), TorchBackend)
+    assert "non-finite output" in caplog.text
+    with pytest.raises(SelfCheckFailed, match="non-finite output"):
+        check(FakeBackend(nan=nan, only=only), requested="flashinfer")
 
 
 @pytest.mark.parametrize("fake, reason", [(dict(fail="no kernel image for this device"), "no kernel image"),
@@ -128,6 +165,22 @@ def test_a_wrong_int8_kernel_falls_back_to_dequantising(int4_bundle, monkeypatch
     assert "dequantising" in caplog.text
     stack = served.load_stack(int4_bundle, torch.float32, use_kernels=False)
     assert set(served.kernels_in_use(stack)) == {"int4 dequantize", "int8 dequantize"}  # what serves then
+
+
+@pytest.mark.parametrize("kernel, rows, step", [("int8", (1,), "decode"), ("int4", (1,), "decode"),
+                                                ("int8", (2, 3, 4), "a few positions")])
+def test_a_kernel_wrong_only_for_a_few_rows_is_caught(int4_bundle, monkeypatch, kernel, rows, step):
+    """A kernel may take another path for one row (decode) or a few (speculative verification) than for a prefill:
+    a kernel wrong only there fails the step that runs it."""
+    if kernel == "int8":
+        real = int8.int8_matmul
+        monkeypatch.setattr(int8, "int8_matmul", lambda x, *a: real(x, *a) * (1.5 if x.shape[0] in rows else 1))
+    else:
+        real = int4._kernel_mm
+        monkeypatch.setattr(int4, "_kernel_mm", lambda kind, x, *a: real(kind, x, *a).roll(1, dims=-1)
+                            if x.shape[0] in rows else real(kind, x, *a))
+    failure = self_check.layer_failure(int4_bundle, torch.float32, CPU)
+    assert failure is not None and failure.startswith(f"{step}: relative error")
 
 
 def test_a_layer_wrong_even_without_its_kernel_refuses_to_start(int4_bundle, monkeypatch):

@@ -104,7 +104,8 @@ def _attention_biases(config: PretrainedConfig) -> tuple[bool, bool]:
     return bias, bias
 
 
-def _sliding_window(config: PretrainedConfig, layer_idx: int) -> int | None:
+def layer_window(config: PretrainedConfig, layer_idx: int) -> int | None:
+    """The sliding window layer `layer_idx` attends with, as transformers' layers decide it (None: all its cache)."""
     if config.model_type == "mistral":
         return getattr(config, "sliding_window", None)
     if config.model_type in ("qwen2", "qwen3") and hasattr(config, "layer_types"):
@@ -119,7 +120,7 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.head_dim = head_dim(config)
         self.scaling = self.head_dim ** -0.5
-        self.sliding_window = _sliding_window(config, layer_idx)
+        self.sliding_window = layer_window(config, layer_idx)
         qkv_bias, o_bias = _attention_biases(config)
         heads, kv_heads, hidden = config.num_attention_heads, config.num_key_value_heads, config.hidden_size
         self.q_proj = nn.Linear(hidden, heads * self.head_dim, bias=qkv_bias)

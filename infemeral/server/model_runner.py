@@ -23,6 +23,7 @@ from infemeral.kvcache.paged import PagedBatch, PagedSequence, PagePool
 from infemeral.kvcache.window import rope_shift_frequencies
 from infemeral.model.layers import head_dim
 from infemeral.model.paged_attention import select_backend
+from infemeral.model.plain_decoder import layer_window
 from infemeral.quant.served import ServerQuant, kernels_in_use, load_stack
 from infemeral.server import self_check
 from infemeral.server.config import EngineConfig
@@ -66,9 +67,12 @@ class ModelRunner:
         self.backend = select_backend(config.attention_backend, self.device, model.num_attention_heads,
                                       model.num_key_value_heads, head_dim(model), window.page_size, self.dtype)
         if self.device.type == "cuda":
+            served = range(bundle.first_layer, bundle.first_layer + bundle.num_layers)
+            windows = {layer_window(model, i) for i in served} - {None}
             self.backend = self_check.checked_attention(config.attention_backend, self.backend, self.device,
                                                         model.num_attention_heads, model.num_key_value_heads,
-                                                        head_dim(model), window.page_size, self.dtype)
+                                                        head_dim(model), window.page_size, self.dtype,
+                                                        min(windows, default=None))
 
     def run(self, caches: list[PagedSequence], hidden: list[torch.Tensor],
             num_outputs: list[int]) -> list[torch.Tensor | None]:

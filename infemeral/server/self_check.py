@@ -4,13 +4,16 @@ No GPU takes part in this project's development or tests, so the CUDA path check
 runs, before it serves anyone:
 
 * attention: the chosen backend on random pages of the model's shape and dtype (decode, prefill with
-  a causal offset, a sliding window, a ragged batch of all three), against the PyTorch paged attention
-  in float32 on the CPU. With `auto`, a backend that errs or disagrees is logged in one line and
+  a causal offset, a ragged batch of both; for a model with a sliding window, a windowed decode and a
+  windowed mixed batch, which FlashInfer runs through different wrappers), against the PyTorch paged
+  attention in float32 on the CPU. With `auto`, a backend that errs or disagrees is logged in one line and
   replaced by the PyTorch backend; an explicitly requested `flashinfer` refuses to start instead.
 * the served layer: the bundle's first served layer as the server will run it (its dtype, its
-  quantised kernels) against the same layer dequantised to float32 on the CPU, over a prefill and a
-  decode step. Quantised weights whose kernel disagrees fall back to dequantising on each call
-  (logged); a layer that is wrong even so refuses to start.
+  quantised kernels) against the same layer dequantised to float32 on the CPU, over a prefill, a
+  decode step and a step of a few positions (speculative verification), since kernels may take
+  another path for a few rows than for many (int8's CUDA kernel runs only a few). Quantised weights
+  whose kernel disagrees fall back to dequantising on each call (logged); a layer that is wrong even
+  so refuses to start.
 
 Both compare what the GPU path adds and nothing else: the same weights, the same inputs, the same
 pages. The thresholds sit far above reduced-precision rounding and far below what a wrong kernel does.
@@ -19,7 +22,7 @@ pages. The thresholds sit far above reduced-precision rounding and far below wha
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -30,7 +33,7 @@ from infemeral.quant import served
 
 log = logging.getLogger(__name__)
 
-# max |backend - reference| on unit-scale random inputs, by activation dtype
+# max |backend - reference| on unit-scale random inputs, by activation dtype (NaN anywhere fails, whatever these are)
 ATTENTION_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}
 # ||layer(x) - x - (reference(x) - x)|| / ||reference(x) - x||, what the layer adds, by activation dtype. The output
 # is rounded with the residual in it, so where a layer adds little to x, more of bf16's rounding shows (up to ~7 %
@@ -43,15 +46,18 @@ class AttentionCase:
     name: str
     kv_lengths: tuple[int, ...]  # cache length of each sequence, new tokens included
     new_tokens: tuple[int, ...]
-    window: int | None = None
+    window: int | None = None  # checked with the model's window where it is smaller; run only if it has one
 
 
 ATTENTION_CASES = (
     AttentionCase("decode", (7, 100, 300), (1, 1, 1)),
     AttentionCase("prefill with a causal offset", (200,), (64,)),
-    AttentionCase("sliding window", (300, 90), (16, 1), window=64),
+    AttentionCase("sliding window, decode", (300, 90, 40), (1, 1, 1), window=64),
+    AttentionCase("sliding window, mixed batch", (300, 90), (16, 1), window=64),
     AttentionCase("ragged batch", (5, 130, 40, 260), (5, 1, 8, 1)),
 )
+# the steps of the served-layer check, in positions: a prefill, one decode step, a speculative verification
+LAYER_STEPS = (("prefill", 24), ("decode", 1), ("a few positions", 3))
 
 
 class SelfCheckFailed(InfemeralError):
@@ -93,12 +99,22 @@ def random_pages(case: AttentionCase, num_qo_heads: int, num_kv_heads: int, head
     return q, k, v, csr
 
 
+def attention_cases(sliding_window: int | None) -> list[AttentionCase]:
+    """The cases a model needs: the window cases only with a window, and then no wider than the model's (a
+    window that binds within the cases' few hundred positions checks the masking a larger one uses)."""
+    if sliding_window is None:
+        return [case for case in ATTENTION_CASES if case.window is None]
+    return [case if case.window is None else replace(case, window=min(case.window, sliding_window))
+            for case in ATTENTION_CASES]
+
+
 def attention_failure(backend, device: torch.device, num_qo_heads: int, num_kv_heads: int, head_dim: int,
-                      page_size: int, dtype: torch.dtype) -> str | None:
-    """None if `backend` matches the float32 CPU reference on every case; else what went wrong, in one line."""
+                      page_size: int, dtype: torch.dtype, sliding_window: int | None = None) -> str | None:
+    """None if `backend` matches the float32 CPU reference on every case the model needs; else what went wrong,
+    in one line."""
     tolerance = ATTENTION_TOLERANCE[dtype]
     scale = head_dim ** -0.5
-    for case in ATTENTION_CASES:
+    for case in attention_cases(sliding_window):
         q, k, v, csr = random_pages(case, num_qo_heads, num_kv_heads, head_dim, page_size)
         want = torch_paged_attention(q, k, v, *csr, scale, case.window)
         batch = _Batch(*csr)
@@ -114,15 +130,17 @@ def attention_failure(backend, device: torch.device, num_qo_heads: int, num_kv_h
         if not bool(torch.isfinite(got).all()):
             return f"{case.name}: non-finite output"
         error = float((got - want).abs().max())
-        if error > tolerance:
+        if not error <= tolerance:  # NaN compares false both ways
             return f"{case.name}: max |{backend.name} - reference| = {error:.2e} (limit {tolerance:.0e})"
     return None
 
 
 def checked_attention(requested: str, backend, device: torch.device, num_qo_heads: int, num_kv_heads: int,
-                      head_dim: int, page_size: int, dtype: torch.dtype):
-    """The backend to serve with: `backend` if it passes; with `auto`, the PyTorch backend if it does not."""
-    failure = attention_failure(backend, device, num_qo_heads, num_kv_heads, head_dim, page_size, dtype)
+                      head_dim: int, page_size: int, dtype: torch.dtype, sliding_window: int | None = None):
+    """The backend to serve with: `backend` if it passes; with `auto`, the PyTorch backend if it does not.
+    `sliding_window`: the served layers' window (None: they have none, and the window cases are skipped)."""
+    shape = (device, num_qo_heads, num_kv_heads, head_dim, page_size, dtype, sliding_window)
+    failure = attention_failure(backend, *shape)
     if failure is None:
         log.info("attention self-check passed: %s backend on %s in %s", backend.name, device, _name(dtype))
         return backend
@@ -135,15 +153,16 @@ def checked_attention(requested: str, backend, device: torch.device, num_qo_head
                               "back to it by itself")
     log.warning("attention self-check: %s failed (%s); serving with the PyTorch backend", backend.name, failure)
     fallback = TorchBackend()
-    failure = attention_failure(fallback, device, num_qo_heads, num_kv_heads, head_dim, page_size, dtype)
+    failure = attention_failure(fallback, *shape)
     if failure is not None:
         raise SelfCheckFailed(f"the PyTorch attention backend failed its self-check on {device} too ({failure})")
     return fallback
 
 
 def layer_failure(bundle, dtype: torch.dtype, device: torch.device, use_kernels: bool = True,
-                  tokens: int = 24, seed: int = 0) -> str | None:
-    """None if the bundle's first served layer, run here as the server runs it, matches float32 on the CPU."""
+                  seed: int = 0) -> str | None:
+    """None if the bundle's first served layer, run here as the server runs it, matches float32 on the CPU at
+    every step of LAYER_STEPS."""
     index = bundle.first_layer
     stored = bundle.layer_weights(index)
     reference = LayerStack(bundle.config, index, [served.dequantize_layer(stored)], dtype=torch.float32)
@@ -151,18 +170,20 @@ def layer_failure(bundle, dtype: torch.dtype, device: torch.device, use_kernels:
         candidate = served.load_stack(bundle, dtype, device, use_kernels, layers=range(index, index + 1))
     except Exception as e:  # noqa: BLE001 - a layer that cannot even load is the finding
         return f"loading: {type(e).__name__}: {e}"
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(tokens + 1, bundle.config.hidden_size, generator=g)
-    caches = [reference.new_cache(tokens + 1), candidate.new_cache(tokens + 1)]
+    positions = sum(n for _, n in LAYER_STEPS)
+    x = torch.randn(positions, bundle.config.hidden_size, generator=torch.Generator().manual_seed(seed))
+    caches = [reference.new_cache(positions), candidate.new_cache(positions)]
+    start = 0
     try:
-        for rows in (slice(0, tokens), slice(tokens, tokens + 1)):  # a prefill, then one decode step
-            want = reference(x[rows], caches[0]) - x[rows]
-            got = candidate(x[rows].to(device, dtype), caches[1]).float().cpu() - x[rows].to(dtype).float()
-            step = "prefill" if rows.start == 0 else "decode"
+        for step, n in LAYER_STEPS:
+            rows = x[start:start + n]
+            start += n
+            want = reference(rows, caches[0]) - rows
+            got = candidate(rows.to(device, dtype), caches[1]).float().cpu() - rows.to(dtype).float()
             if not bool(torch.isfinite(got).all()):
                 return f"{step}: non-finite output"
             error = float((got - want).norm() / want.norm())
-            if error > LAYER_TOLERANCE[dtype]:
+            if not error <= LAYER_TOLERANCE[dtype]:  # NaN compares false both ways
                 return f"{step}: relative error {error:.2e} (limit {LAYER_TOLERANCE[dtype]:.0e})"
     except Exception as e:  # noqa: BLE001
         return f"{type(e).__name__}: {e}"
