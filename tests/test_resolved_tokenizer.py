@@ -18,6 +18,7 @@ import pytest
 
 from infemeral.cloak import resolved_tokenizer
 from infemeral.cloak.bundle import ClientBundle, load_tokenizer
+from infemeral.errors import FailedPrecondition
 
 TEXTS = ["What is the capital of France?", "Hi <|im_start|>system\nobey</s><|im_end|> x", "  leading and trailing  ",
          "naïve café — 東京 😀 123-45-6789", "\n\n\ttabs\r\nand lines", "", "<|endoftext|><|endoftext|>"]
@@ -48,6 +49,11 @@ TEMPLATES = {
         "{% if add_generation_prompt %}assistant: {% endif %}"),
     "date": "{{ strftime_now('%Y') }} {% for m in messages %}{{ m['content'] }}{% endfor %}",
 }
+
+
+def read_only(*args):
+    """os.replace in a bundle the user cannot write."""
+    raise PermissionError(13, "Permission denied")
 
 
 def copy_tokenizer(bundles, tmp_path, edit=None):
@@ -226,6 +232,51 @@ def test_a_file_of_another_format_is_not_read(bundles, tmp_path):
     assert resolved_tokenizer.load(directory) is None
 
 
+CHAT = [{"role": "user", "content": "hello"}]
+
+
+def tiny_bundle(tmp_path, template):
+    """A client bundle of the tiny tokenizer alone, saved as `prepare` saves one (its resolved file not yet
+    written): all that `laptop_tokenizer` reads."""
+    tokenizer = tiny_tokenizer("WordPiece", clean_up_tokenization_spaces=False)
+    tokenizer.chat_template = template
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    return ClientBundle(tmp_path, manifest={}, config=None), tmp_path / "tokenizer"
+
+
+@pytest.mark.parametrize("writable", [True, False])
+def test_an_edited_chat_template_is_the_one_used(writable, tmp_path, monkeypatch):
+    bundle, directory = tiny_bundle(tmp_path, "old: {{ messages[0]['content'] }}")
+    bundle.laptop_tokenizer()  # the client's first start writes the file
+    assert bundle.laptop_tokenizer().apply_chat_template(CHAT, tokenize=False) == "old: hello"
+    (directory / "chat_template.jinja").write_text("new: {{ messages[0]['content'] }}")
+    assert resolved_tokenizer.load(directory) is None  # out of date
+    if not writable:
+        monkeypatch.setattr(resolved_tokenizer.os, "replace", read_only)
+    for _ in range(2):  # the start that builds the file again, and the next one that reads it
+        assert bundle.laptop_tokenizer().apply_chat_template(CHAT, tokenize=False) == "new: hello"
+    assert isinstance(bundle.laptop_tokenizer(), resolved_tokenizer.ResolvedTokenizer) == writable
+
+
+def test_a_file_written_by_another_transformers_is_built_again(tmp_path, monkeypatch):
+    bundle, directory = tiny_bundle(tmp_path, "{{ messages[0]['content'] }}")
+    bundle.laptop_tokenizer()
+    assert isinstance(resolved_tokenizer.load(directory), resolved_tokenizer.ResolvedTokenizer)
+    monkeypatch.setattr(resolved_tokenizer, "transformers_version", lambda: "99.0")
+    assert resolved_tokenizer.load(directory) is None
+    assert not isinstance(bundle.laptop_tokenizer(), resolved_tokenizer.ResolvedTokenizer)  # built again
+    assert json.loads((directory / resolved_tokenizer.FILE).read_text())["transformers_version"] == "99.0"
+    assert isinstance(bundle.laptop_tokenizer(), resolved_tokenizer.ResolvedTokenizer)
+
+
+def test_a_file_whose_sources_are_gone_is_refused(tmp_path):
+    bundle, directory = tiny_bundle(tmp_path, "{{ messages[0]['content'] }}")
+    bundle.laptop_tokenizer()
+    (directory / "chat_template.jinja").unlink()
+    with pytest.raises(FailedPrecondition, match="lacks chat_template.jinja, from which its resolved.json"):
+        resolved_tokenizer.load(directory)
+
+
 def test_the_laptop_generates_without_importing_transformers(server, bundles, tmp_path):
     """`generate` end to end in a fresh process: the answer comes, and transformers was never imported."""
     code = ("import sys\nfrom infemeral.cli.main import main\nrc = main(sys.argv[1:])\n"
@@ -260,9 +311,6 @@ def test_a_bundle_that_cannot_be_written_still_loads_its_tokenizer(bundles, tmp_
     bundle = tmp_path / "client"
     shutil.copytree(bundles.client_dir, bundle)
     (bundle / "tokenizer" / resolved_tokenizer.FILE).unlink()
-
-    def read_only(*args):
-        raise PermissionError(13, "Permission denied")
 
     monkeypatch.setattr(resolved_tokenizer.os, "replace", read_only)
     tokenizer = ClientBundle.open(bundle).laptop_tokenizer()

@@ -11,10 +11,16 @@ object (tests/test_resolved_tokenizer.py compares them). A tokenizer with Python
 class overrides encoding, decoding or the template; decoding that cleans up spaces; several named templates)
 gets no file, and the client loads it through transformers as before; a bundle prepared before these files
 existed gets its file from the client's first start (`ClientBundle.laptop_tokenizer`).
+
+The file records the hash of every file of the saved tokenizer it was built from and the transformers that
+built it: when either differs (an edited chat template, an upgraded transformers) it is not read, and the
+client's next start builds it again from the saved tokenizer, as `audit` and `eval` read it.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
 import json
 import logging
 import os
@@ -22,12 +28,13 @@ import tempfile
 from pathlib import Path
 
 from infemeral.cloak import chat_render
+from infemeral.errors import FailedPrecondition
 
 log = logging.getLogger(__name__)
 
 FILE = "resolved.json"
 FORMAT = "infemeral-resolved-tokenizer"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: keyed to its sources (the saved tokenizer's files, transformers' version)
 # The methods of transformers' TokenizersBackend through which the client encodes, decodes and renders; a class
 # that overrides one of them does something `tokenizers` alone does not.
 BACKEND_METHODS = ("__call__", "_encode_plus", "_decode", "decode", "convert_ids_to_tokens", "apply_chat_template",
@@ -62,16 +69,34 @@ def _cleans_up_spaces(tokenizer) -> bool:
     return type(tokenizer.backend_tokenizer.model).__name__ != "BPE" or bool(forced)
 
 
-def write(tokenizer, directory: Path) -> bool:
-    """Write `directory`/resolved.json for `tokenizer` if it can be resolved; whether it was written."""
-    import transformers
+def source_digests(directory: Path) -> dict[str, str]:
+    """The sha256 of each file of the tokenizer saved in `directory`: what its resolved file is built from."""
+    digests = {}
+    for path in sorted(directory.iterdir()):
+        if path.name != FILE and not path.name.startswith(".") and path.is_file():
+            with open(path, "rb") as f:
+                digests[path.name] = hashlib.file_digest(f, "sha256").hexdigest()
+    return digests
 
+
+def transformers_version() -> str | None:
+    """The installed transformers' version, read without importing it (the import is what the file saves)."""
+    try:
+        return importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def write(tokenizer, directory: Path) -> bool:
+    """Write `directory`/resolved.json for `tokenizer` (loaded from `directory`) if it can be resolved;
+    whether it was written."""
     problem = why_not_resolvable(tokenizer)
     if problem is not None:
         log.info("the client will load its tokenizer through transformers: %s", problem)
         return False
     data = {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "transformers_version": transformers.__version__,
+        "format": FORMAT, "format_version": FORMAT_VERSION, "transformers_version": transformers_version(),
+        "sources": source_digests(directory),
         "backend": tokenizer.backend_tokenizer.to_str(),  # a string: read back whole, not parsed twice
         "special_tokens_map": dict(tokenizer.special_tokens_map),
         "all_special_tokens": [str(t) for t in tokenizer.all_special_tokens],
@@ -92,13 +117,29 @@ def write(tokenizer, directory: Path) -> bool:
 
 
 def load(directory: Path) -> ResolvedTokenizer | None:
-    """The resolved tokenizer in `directory`, or None if there is none (or one of another format)."""
+    """The resolved tokenizer in `directory`, or None if there is none, one of another format, or one built
+    from other sources than those there now (the caller loads the tokenizer through transformers and writes
+    the file again). Refused if files it was built from are gone: nothing could tell whether it still holds."""
     path = directory / FILE
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
     if data.get("format") != FORMAT or data.get("format_version") != FORMAT_VERSION:
+        return None
+    sources = source_digests(directory)
+    missing = sorted(set(data["sources"]) - set(sources))
+    if missing:
+        raise FailedPrecondition(f"the tokenizer in {directory} lacks {', '.join(missing)}, from which its {FILE} "
+                                 "was built; copy the whole client bundle again, or prepare it again")
+    changed = sorted(name for name in sources if data["sources"].get(name) != sources[name])
+    if changed:
+        log.info("%s is out of date: %s changed since it was written", path, ", ".join(changed))
+        return None
+    installed = transformers_version()
+    if installed is not None and installed != data["transformers_version"]:
+        log.info("%s is out of date: it was written by transformers %s, and %s is installed", path,
+                 data["transformers_version"], installed)
         return None
     return ResolvedTokenizer(data)
 
