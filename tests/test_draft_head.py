@@ -18,7 +18,7 @@ from infemeral.cloak.bundle import ClientBundle
 from infemeral.cloak.prepare import prepare
 from infemeral.cloak.sources import ModelSource
 from infemeral.client.model.half import ClientModel
-from infemeral.errors import FailedPrecondition
+from infemeral.errors import FailedPrecondition, InfemeralError
 from infemeral.speculation.draft_head import DraftHead, HeadModel, layer_config, probe_of, save_head
 
 VOCAB = 96
@@ -159,6 +159,23 @@ def test_our_own_layout_round_trips_with_its_draft_vocabulary(tiny, tmp_path):
     assert full.vocab.target_ids is None and full.vocab.size == VOCAB
 
 
+@pytest.mark.parametrize("outside", [VOCAB, -1], ids=["the-vocabulary-size", "minus-one"])
+def test_a_draft_vocabulary_naming_a_token_outside_the_vocabulary_is_refused(tiny, tmp_path, outside):
+    """d2t holds offsets (target = draft + d2t[draft]): the first and last target ids load, one past either end
+    (the vocabulary size, or -1, which would read the LM head's last row from the end) is refused."""
+    from safetensors.torch import load_file, save_file
+
+    _, client, _ = tiny
+    module = HeadModel(layer_config(tiny_config()))
+    directory = save_head(tmp_path / "head", module, draft_ids=torch.tensor([0, 5, VOCAB - 1]), vocab_size=VOCAB)
+    assert DraftHead.load(directory, client).vocab.target_ids.tolist() == [0, 5, VOCAB - 1]
+    tensors = load_file(str(directory / "model.safetensors"))
+    tensors["d2t"][1] = outside - 1  # draft id 1 -> target `outside`
+    save_file(tensors, str(directory / "model.safetensors"))
+    with pytest.raises(InfemeralError, match="draft vocabulary \\(d2t\\) names tokens outside the vocabulary"):
+        DraftHead.load(directory, client)
+
+
 # -- refusals ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("change, says", [
@@ -261,6 +278,30 @@ def test_a_rewind_forgets_what_no_longer_holds(tiny, head):
     fresh.observe(other[:25], feats[:25])
     assert drafter.propose(other[:26], 3) == fresh.propose(other[:26], 3)
     assert head.fork().propose(other[:26], 3) == []  # no features: no drafts
+
+
+def test_after_a_rewind_the_heads_cache_is_a_fresh_drafters(tiny, head):
+    """Drafts agreeing is not enough (a tiny head's argmax hides a stale position): after the conversation
+    changes from position 15 on and the drafter drafts again, its cache holds exactly the keys and values, and
+    its window exactly the features, of a drafter that only ever saw the new conversation."""
+    model = tiny[0]
+    ids = [int(x) for x in torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(6))]
+    other = ids[:15] + [(t + 1) % VOCAB for t in ids[15:]]
+    drafter = head.fork()
+    drafter.observe(ids[:25], features_of(model, ids[:25]))
+    drafter.propose(ids[:26], 3)
+    feats = features_of(model, other)
+    drafter.observe(other[:25], feats[15:25])
+    drafter.propose(other[:26], 3)
+    fresh = head.fork()
+    fresh.observe(other[:25], feats[:25])
+    fresh.propose(other[:26], 3)
+    assert (drafter.start, drafter.cache.length) == (fresh.start, fresh.cache.length) and fresh.cache.length > 15
+    for mine, theirs in zip(drafter.cache.layer_tensors(0), fresh.cache.layer_tensors(0)):  # keys, values
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+    assert (drafter._feature_start, drafter._feature_end) == (fresh._feature_start, fresh._feature_end)
+    held = slice(0, fresh._feature_end - fresh._feature_start)
+    torch.testing.assert_close(drafter._features[held], fresh._features[held], rtol=0, atol=0)
 
 
 def test_a_long_conversation_keeps_a_bounded_window(tiny, head):
