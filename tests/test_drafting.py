@@ -8,8 +8,9 @@ import stat
 import threading
 
 import numpy as np
+import pytest
 
-from infemeral.speculation.answer_index import AnswerIndex
+from infemeral.speculation.answer_index import AnswerIndex, forget_answers
 from infemeral.speculation.matching import SEPARATOR, suffix_matches
 from infemeral.speculation.prompt_lookup import PromptLookup
 from infemeral.speculation.source import DraftSource, FirstOf
@@ -217,12 +218,101 @@ def test_answer_index_clears_under_threads_and_can_start_again(tmp_path):
 
 
 def test_an_index_file_removed_from_outside_is_not_brought_back(tmp_path):
-    """`infemeral-client forget-answers` deletes the file while an endpoint may hold the index: its next
-    answer must not write the forgotten ones back."""
+    """A file deleted by hand while an endpoint holds the index: it drafts no more from it, and its next
+    answer does not write the deleted ones back."""
     path = tmp_path / "answers.tokens"
     index = AnswerIndex(path)
     index.add([1, 2, 3, 4])
     path.unlink()
+    assert index.propose([1, 2, 3], 2) == []
     index.add([5, 6, 7])
     assert index.corpus.tolist() == [5, 6, 7, SEPARATOR]
     assert AnswerIndex(path).corpus.tolist() == [5, 6, 7, SEPARATOR]
+
+
+FORGOTTEN = [[100, 101, 102, 103, 104], [200, 201, 202, 203]]
+
+
+@pytest.mark.parametrize("forget", ["forget-answers", "clear"])
+@pytest.mark.parametrize("next_write", ["append", "rewrite"])
+def test_forgotten_answers_stay_forgotten_in_another_process_that_held_them(tmp_path, forget, next_write):
+    """A `serve` (index a) keeps answers in memory; `forget-answers` (or another holder's clear) forgets
+    them, and another process writes a new answer. a must not draft from the forgotten answers, nor write
+    them back with its next answer: appended, or (a file grown to twice max_tokens) the file rewritten."""
+    path = tmp_path / "answers.tokens"
+    if next_write == "rewrite":  # older answers in the file: with a's, 23 entries, one answer short of 24
+        older = AnswerIndex(path)
+        for i in range(3):
+            older.add([50 + i] * 3)
+    a = AnswerIndex(path, max_tokens=12)
+    for answer in FORGOTTEN:
+        a.add(answer)
+    assert a.propose([100, 101, 102], 2) == [103, 104]
+    if forget == "clear":
+        AnswerIndex(path).clear()
+    else:
+        assert forget_answers(tmp_path) == 1
+    AnswerIndex(path).add([7, 8, 9])  # another process answers: the file is there again
+    assert a.propose([100, 101, 102], 2) == [] and a.propose([200, 201, 202], 2) == []
+    a.add([300, 301, 302, 303, 304])
+    a.add([400, 401, 402])
+    fresh = AnswerIndex(path, max_tokens=12)
+    assert not set(fresh.corpus.tolist()) & {t for answer in FORGOTTEN for t in answer}
+    assert fresh.propose([300, 301, 302], 2) == [303, 304] and a.propose([300, 301, 302], 2) == [303, 304]
+    assert a.corpus.tolist() == fresh.corpus.tolist()  # a holds what the file holds
+
+
+def test_forget_answers_forgets_every_index_file_and_the_leftovers_of_a_rewrite(tmp_path):
+    first, second = AnswerIndex(tmp_path / "a.tokens"), AnswerIndex(tmp_path / "b.tokens")
+    first.add([1, 2, 3, 4])
+    second.add([5, 6, 7, 8])
+    (tmp_path / ".a.tokens.x1y2.tmp").write_bytes(np.array([1, 2, SEPARATOR], dtype="<i4").tobytes())
+    assert forget_answers(tmp_path) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["forgotten"]
+    assert first.propose([1, 2, 3], 2) == [] and second.propose([5, 6, 7], 2) == []
+    assert forget_answers(tmp_path / "never-made") == 0 and not (tmp_path / "never-made").exists()
+
+
+def test_an_id_equal_to_the_vocabulary_size_is_cut_from_the_index(tmp_path):
+    path = tmp_path / "answers.tokens"
+    kept = [10, 998, 999, SEPARATOR]  # 999: the last id of a vocabulary of 1,000
+    path.write_bytes(np.array(kept + [20, 1_000, SEPARATOR], dtype="<i4").tobytes())
+    assert AnswerIndex(path, vocab_size=1_000).corpus.tolist() == kept
+    assert path.read_bytes() == np.array(kept, dtype="<i4").tobytes()
+
+
+def test_a_bound_that_falls_exactly_on_an_answer_boundary_keeps_the_answer_after_it(tmp_path):
+    """max_tokens entries end exactly at the start of an answer: that answer is kept whole, and nothing older."""
+    index = AnswerIndex(tmp_path / "answers.tokens", max_tokens=8)
+    index.add([1, 2, 3])
+    index.add([4, 5, 6])
+    index.add([7, 8, 9])  # 12 entries; the last 8 are the last two answers
+    assert index.corpus.tolist() == [4, 5, 6, SEPARATOR, 7, 8, 9, SEPARATOR]
+    index.add([10, 11, 12])  # 12 again, cut at the boundary before [7, 8, 9]
+    assert index.corpus.tolist() == [7, 8, 9, SEPARATOR, 10, 11, 12, SEPARATOR]
+
+
+def test_the_forget_answers_command_forgets_in_a_running_holder_too(tmp_path, capsys):
+    from infemeral.cli.main import main
+
+    serving = AnswerIndex(tmp_path / "answers.tokens")
+    serving.add(FORGOTTEN[0])
+    assert main(["forget-answers", "--answer-index-dir", str(tmp_path)]) == 0
+    assert f"forgot 1 answer index file(s) in {tmp_path}" in capsys.readouterr().out
+    AnswerIndex(tmp_path / "answers.tokens").add([7, 8, 9])  # another process answers
+    assert serving.propose(FORGOTTEN[0][:3], 2) == []
+
+
+def test_an_index_that_cannot_tell_whether_it_was_forgotten_drafts_nothing(tmp_path, monkeypatch):
+    from infemeral.speculation import answer_index
+
+    index = AnswerIndex(tmp_path / "answers.tokens")
+    index.add(FORGOTTEN[0])
+
+    def unreadable(directory):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(answer_index, "_forget_mark", unreadable)
+    assert index.propose(FORGOTTEN[0][:3], 2) == []  # and the turn goes on
+    monkeypatch.undo()
+    assert index.propose(FORGOTTEN[0][:3], 2) == FORGOTTEN[0][3:]

@@ -291,9 +291,9 @@ def delete(args) -> int:
 
 
 def forget_answers(args) -> int:
+    from infemeral.speculation import answer_index
+
     settings = settings_from_args(ClientSettings, args)
-    files = sorted(settings.answer_index_dir.glob("*.tokens")) if settings.answer_index_dir.is_dir() else []
-    for path in files:
-        path.unlink()
-    print(f"forgot {len(files)} answer index file(s) in {settings.answer_index_dir}")
+    count = answer_index.forget_answers(settings.answer_index_dir)
+    print(f"forgot {count} answer index file(s) in {settings.answer_index_dir}")
     return 0

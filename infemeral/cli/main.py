@@ -158,8 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     f = sub.add_parser("forget-answers", help="clear the answer index (earlier answers kept for drafting)",
                        description="Delete the answer index: the token ids of earlier answers this client keeps "
-                                   "on this machine to draft from (see --answer-index). Turn it off for good with "
-                                   "--no-answer-index or INFEMERAL_ANSWER_INDEX=false.")
+                                   "on this machine to draft from (see --answer-index). A chat or serve running now "
+                                   "forgets them too. Turn it off for good with --no-answer-index or "
+                                   "INFEMERAL_ANSWER_INDEX=false.")
     add_settings_flags(f, ClientSettings, ("answer_index_dir",))
 
     a = sub.add_parser("audit", help="measure what the pod could learn from a prompt (runs locally)",

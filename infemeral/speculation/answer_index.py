@@ -7,13 +7,15 @@ matched like the conversation is (`matching.py`).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +23,11 @@ import numpy as np
 from infemeral.speculation.matching import SEPARATOR, continuation, suffix_matches
 
 log = logging.getLogger(__name__)
+
+# In an index's directory: a mark that changes each time answers there are forgotten. Every index holding
+# answers from that directory compares it with the mark it loaded under before it drafts or writes, and
+# drops what it holds when it changed: forgetting holds for the other processes that hold the index too.
+FORGET_MARK = "forgotten"
 
 
 class AnswerIndex:
@@ -34,7 +41,12 @@ class AnswerIndex:
     Safe to share between threads. The file is append-only between compactions: an answer is appended in
     one write, and the file is rewritten (through a temporary file of its own) only when it has grown to
     twice `max_tokens`. It is a cache, not a record: nothing is fsynced, and a file torn by a crash or
-    holding foreign data is cut back to its last whole answer when loaded, with a warning."""
+    holding foreign data is cut back to its last whole answer when loaded, with a warning.
+
+    Other processes may hold the same file (a `serve`, a `chat`); each remembers what it loaded and added.
+    Forgetting (`clear()`, `forget_answers`) holds for all of them: it changes the directory's forget mark
+    under the directory's lock, which every write takes too, and an index that sees the mark changed (or its
+    file gone) drops what it holds and reads the file again before it drafts or writes."""
 
     name = "answers"
     is_free = True
@@ -47,10 +59,13 @@ class AnswerIndex:
         self.vocab_size = vocab_size
         self._lock = threading.Lock()
         self._file_tokens = 0  # entries (tokens and separators) in the file
-        corpus = np.empty(0, dtype=np.int64)
+        self._forget_mark = b""  # the directory's forget mark when the file was read
+        self.corpus = np.empty(0, dtype=np.int64)  # replaced whole, never changed in place: readers need no lock
         if self.path is not None and self.path.exists():
-            corpus = self._load()
-        self.corpus = self._bounded(corpus)  # replaced whole, never changed in place: readers need no lock
+            with _directory_lock(self.path.parent):
+                self._read_file()
+        elif self.path is not None:
+            self._forget_mark = _forget_mark(self.path.parent)
 
     @classmethod
     def for_tokenizer(cls, directory: str | Path, tokenizer, **kwargs) -> "AnswerIndex":
@@ -63,6 +78,11 @@ class AnswerIndex:
         return int((self.corpus != SEPARATOR).sum())
 
     def propose(self, context_ids: Sequence[int], max_draft: int) -> list[int]:
+        if self.path is not None:
+            try:
+                self._catch_up()
+            except OSError:  # whether its answers were forgotten cannot be told: draft nothing from them
+                return []
         corpus = self.corpus
         if max_draft <= 0 or len(corpus) < 2 or not context_ids:
             return []
@@ -76,25 +96,50 @@ class AnswerIndex:
             return
         new = np.asarray(list(answer_ids) + [SEPARATOR], dtype=np.int64)
         with self._lock:
-            if self.path is not None and self._file_tokens and not self.path.exists():
-                self.corpus, self._file_tokens = self.corpus[:0], 0  # cleared from outside (forget-answers)
-            self.corpus = self._bounded(np.concatenate([self.corpus, new]))
             if self.path is None:
+                self.corpus = self._bounded(np.concatenate([self.corpus, new]))
                 return
-            if self._file_tokens + len(new) > 2 * self.max_tokens:
-                self._rewrite(self.corpus)
-            else:
-                self._append(new)
+            with _directory_lock(self.path.parent):
+                if self._is_forgotten():
+                    self._read_file()
+                self.corpus = self._bounded(np.concatenate([self.corpus, new]))
+                if self._file_tokens + len(new) > 2 * self.max_tokens:
+                    self._rewrite(self.corpus)
+                else:
+                    self._append(new)
 
     def clear(self) -> None:
-        """Forget every answer, on disk too."""
+        """Forget every answer, on disk too, and in every other process that holds this index's file."""
         with self._lock:
             self.corpus = np.empty(0, dtype=np.int64)
             self._file_tokens = 0
-            if self.path is not None:
-                self.path.unlink(missing_ok=True)
+            if self.path is not None and self.path.parent.is_dir():
+                with _directory_lock(self.path.parent):
+                    self._forget_mark = _forget(self.path.parent, [self.path])
 
     # -- the file ------------------------------------------------------------------------------------
+    def _is_forgotten(self) -> bool:
+        """Whether the answers this index holds from its file were forgotten since it read it (the directory's
+        forget mark changed, or the file is gone from under it)."""
+        return (_forget_mark(self.path.parent) != self._forget_mark
+                or (self._file_tokens > 0 and not self.path.exists()))
+
+    def _catch_up(self) -> None:
+        """Drop what this index holds if it was forgotten since the file was read, and hold what the file holds."""
+        if self._is_forgotten():
+            with self._lock, _directory_lock(self.path.parent):
+                if self._is_forgotten():
+                    self._read_file()
+
+    def _read_file(self) -> None:
+        """Hold what the file holds now, dropping anything else (under the directory's lock)."""
+        self._forget_mark = _forget_mark(self.path.parent)
+        try:
+            corpus = self._load()
+        except FileNotFoundError:
+            corpus, self._file_tokens = np.empty(0, dtype=np.int64), 0
+        self.corpus = self._bounded(corpus)
+
     def _load(self) -> np.ndarray:
         """The file's answers, checked: whole 4-byte ids, each a token of the vocabulary or a separator, the
         last answer ended. Anything after the first flaw is dropped (a torn append, or data that is not an
@@ -113,7 +158,6 @@ class AnswerIndex:
         return good
 
     def _append(self, new: np.ndarray) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         try:
             os.write(fd, new.astype("<i4").tobytes())
@@ -122,15 +166,7 @@ class AnswerIndex:
         self._file_tokens += len(new)
 
     def _rewrite(self, corpus: np.ndarray) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.", suffix=".tmp")  # 0600
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(corpus.astype("<i4").tobytes())
-            os.replace(tmp, self.path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        _replace_whole(self.path, corpus.astype("<i4").tobytes())
         self._file_tokens = len(corpus)
 
     def _bounded(self, corpus: np.ndarray) -> np.ndarray:
@@ -141,6 +177,63 @@ class AnswerIndex:
         seps = np.flatnonzero(corpus[start - 1:] == SEPARATOR)  # cut at an answer boundary
         cut = start - 1 + int(seps[0]) + 1 if len(seps) else len(corpus)
         return corpus[cut:]
+
+
+def forget_answers(directory: str | Path) -> int:
+    """Forget the answers of every index file in `directory`, in the processes that hold them too; how many
+    files there were."""
+    directory = Path(directory).expanduser()
+    if not directory.is_dir():
+        return 0
+    with _directory_lock(directory):
+        files = sorted(directory.glob("*.tokens"))
+        _forget(directory, files)
+    return len(files)
+
+
+def _forget(directory: Path, files: list[Path]) -> bytes:
+    """Delete `files` (and what an interrupted rewrite left of them), then change the directory's forget
+    mark; the new mark. Under the directory's lock."""
+    for path in files:
+        path.unlink(missing_ok=True)
+        for leftover in directory.glob(f".{path.name}.*.tmp"):
+            leftover.unlink(missing_ok=True)
+    mark = os.urandom(8).hex().encode()
+    _replace_whole(directory / FORGET_MARK, mark)
+    return mark
+
+
+def _forget_mark(directory: Path) -> bytes:
+    try:
+        return (directory / FORGET_MARK).read_bytes()
+    except FileNotFoundError:
+        return b""
+
+
+@contextlib.contextmanager
+def _directory_lock(directory: Path) -> Iterator[None]:
+    """An exclusive lock on `directory` (made owner-only if new), between processes and threads alike:
+    forgetting and every write of an index file there take it, so that no write of answers from before a
+    forget lands after it."""
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # and with it the lock
+
+
+def _replace_whole(path: Path, data: bytes) -> None:
+    """Write `path` whole or not at all, through an owner-only temporary file of its own beside it."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")  # 0600
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
