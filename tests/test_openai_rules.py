@@ -20,6 +20,7 @@ from infemeral.transport import host_of, is_loopback
 
 MODEL = "rules-model"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
+BODY_CAP = 1000  # the test app's cap on request bodies, in bytes
 
 
 class NoClient:
@@ -33,7 +34,7 @@ class NoClient:
 
 @pytest.fixture(scope="module")
 def app_url():
-    http = Uvicorn(create_app(NoClient(), MODEL, max_body_bytes=1000))
+    http = Uvicorn(create_app(NoClient(), MODEL, max_body_bytes=BODY_CAP))
     yield http
     http.stop()
 
@@ -151,6 +152,23 @@ def test_a_body_within_the_cap_reaches_the_route(app_url):
     status, body = request(app_url.port, "POST", "/v1/chat/completions", headers={"Content-Type": "application/json"},
                            chunks=[payload[:20], payload[20:]])
     assert status == 404 and error_of(body)["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["declared", "chunked"])
+def test_a_body_of_exactly_the_cap_reaches_the_route_and_one_byte_more_does_not(app_url, chunked):
+    payload = json.dumps({**CHAT, "model": "other"}).encode()
+    payload += b" " * (BODY_CAP - len(payload))  # trailing whitespace is still valid JSON
+
+    def send(body: bytes) -> tuple[int, dict]:
+        if chunked:
+            return request(app_url.port, "POST", "/v1/chat/completions",
+                           headers={"Content-Type": "application/json"}, chunks=[body[:500], body[500:]])
+        return request(app_url.port, "POST", "/v1/chat/completions", body, headers={"Content-Type": "application/json"})
+
+    status, body = send(payload)
+    assert len(payload) == BODY_CAP and status == 404 and error_of(body)["code"] == "model_not_found"
+    status, body = send(payload + b" ")
+    assert status == 413 and error_of(body)["code"] == "request_too_large"
 
 
 # -- values -----------------------------------------------------------------------------------------------

@@ -199,6 +199,31 @@ def test_no_holding_for_far_away_turns_for_a_lone_session_or_when_turned_off():
         clock.now += 0.010
 
 
+@pytest.mark.parametrize("late, is_held", [(0.0, True), (1 / 1024, False)], ids=["due-at-half-a-pass", "just-after"])
+def test_a_held_batch_never_waits_past_half_a_forward_pass(late, is_held):
+    """A generous max_batch_hold (1 s) leaves half the measured forward pass as the limit: a turn whose client
+    is due exactly half a pass after the worker became free is waited for, until then and no longer; one due
+    a moment later is not waited for. (Binary fractions of a second: the boundary is exact.)"""
+    forward = 0.0625
+    pool, clock, _ = make(num_pages=64)
+    scheduler = Scheduler(WINDOW, torch.ones(1, dtype=torch.float64), 64, 1.0, clock, max_batch_hold=1.0)
+    near, far = new_turn(pool, 8), new_turn(pool, 8)
+    for t in (near, far):
+        scheduler.add(step(t, 1))
+    clock.now = forward
+    scheduler.ran(scheduler.schedule().batch, forward)
+    scheduler.add(step(near, 1))  # near's client answers at once
+    clock.now += forward / 2 + late  # far's takes half a pass (or a moment more)
+    scheduler.add(step(far, 1))
+    assert scheduler.hold_until() is None  # both are here
+    batch = scheduler.schedule().batch
+    clock.now += forward
+    scheduler.ran(batch, forward)
+    free = clock.now
+    scheduler.add(step(near, 1))
+    assert scheduler.hold_until() == (free + forward / 2 if is_held else None)
+
+
 def serve_turns(scheduler: Scheduler, clock: Clock, pool: PagePool, num_turns: int) -> None:
     """Turns that open, step a few times, and close (the engine tells the scheduler as each one closes)."""
     for _ in range(num_turns):

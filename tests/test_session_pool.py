@@ -61,6 +61,16 @@ def test_another_conversation_gets_its_own_session():
     assert pool.acquire([1, 2, 9, 9, 5, 0]) is other
 
 
+def test_a_session_that_keeps_exactly_as_much_as_it_drops_is_reused():
+    client = FakeClient()
+    pool = SessionPool(client, max_sessions=4)
+    first = pool.acquire([1, 2, 3, 4])
+    finish(pool, first, [1, 2, 3, 4])
+    assert pool.acquire([1, 2, 9, 9, 9]) is first  # keeps 2 tokens, drops 2
+    finish(pool, first, [1, 2, 9, 9, 9])
+    assert pool.acquire([1, 2, 3]) is not first and len(client.opened) == 2  # keeps 2, would drop 3
+
+
 def test_a_busy_session_is_never_shared():
     pool = SessionPool(FakeClient(), max_sessions=4)
     first = pool.acquire([1, 2, 3])
@@ -99,6 +109,24 @@ def test_busy_sessions_are_not_evicted_and_failed_deletes_are_only_logged(caplog
     finish(pool, b, [2, 2])  # now a is idle and least recently used
     assert client.deleted == [a] and pool.num_sessions == 1
     assert "could not delete" in caplog.text and "UNAVAILABLE" in caplog.text
+
+
+def test_a_never_committed_session_is_deleted_on_eviction_only_if_its_commit_is_in_doubt():
+    """A first commit whose answer was lost may have been stored (the session is still at version 0, with the
+    commit pending): evicting it deletes it, or it would sit on the server until its TTL; a session that never
+    sent a commit holds nothing there."""
+    client = FakeClient()
+    pool = SessionPool(client, max_sessions=1)
+    doubtful = pool.acquire([1, 2])
+    doubtful.history_ids, doubtful.pending_commit = [1, 2], object()  # the commit went out, no answer came
+    pool.release(doubtful)
+    assert doubtful.version == 0
+    fresh = pool.acquire([7, 7])  # another conversation: the doubtful session is the one evicted
+    assert client.deleted == [doubtful] and pool.stats.num_evicted == 1
+    fresh.history_ids = [7, 7]
+    pool.release(fresh)
+    pool.acquire([8, 8])  # evicts `fresh`: version 0, nothing pending
+    assert client.deleted == [doubtful] and pool.stats.num_evicted == 2
 
 
 def test_a_discarded_session_is_deleted_and_never_handed_out_again():
