@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
+from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
 from infemeral.cloak.bundle import ServerBundle
 from infemeral.cloak.prepare import prepare
@@ -13,6 +15,7 @@ from infemeral.cloak.sources import ModelSource
 from infemeral.model.paged_attention import TorchBackend
 from infemeral.quant import int4, int8, served
 from infemeral.server import self_check
+from infemeral.server.model_runner import served_window
 from infemeral.server.self_check import SelfCheckFailed, checked_attention, checked_kernels
 from test_server_quant import tiny_model
 
@@ -85,6 +88,15 @@ def test_a_model_with_a_window_checks_the_windowed_decode_and_one_without_skips_
     plain = FakeBackend()
     check(plain, sliding_window=None)
     assert plain.runs and all(window is None for window, _ in plain.runs)
+
+
+def test_the_runner_checks_the_window_of_the_served_layers():
+    """Qwen2 windows only the layers from max_window_layers on: whether the served range has one decides."""
+    qwen = Qwen2Config(num_hidden_layers=6, sliding_window=4, use_sliding_window=True, max_window_layers=3)
+    assert served_window(SimpleNamespace(config=qwen, first_layer=1, num_layers=2)) is None
+    assert served_window(SimpleNamespace(config=qwen, first_layer=1, num_layers=3)) == 4
+    assert served_window(SimpleNamespace(config=MistralConfig(sliding_window=8), first_layer=1, num_layers=2)) == 8
+    assert served_window(SimpleNamespace(config=LlamaConfig(), first_layer=1, num_layers=2)) is None
 
 
 @pytest.mark.parametrize("nan, only", [("all", None), ("one", None), ("one", "window")])

@@ -46,6 +46,12 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
         raise ValueError(f"dtype must be float32, bfloat16, float16 or auto, not {dtype!r}") from None
 
 
+def served_window(bundle: ServerBundle) -> int | None:
+    """The sliding window the served layers attend with (None: every one attends to its whole cache)."""
+    layers = range(bundle.first_layer, bundle.first_layer + bundle.num_layers)
+    return min({layer_window(bundle.config, i) for i in layers} - {None}, default=None)
+
+
 class ModelRunner:
     def __init__(self, bundle: ServerBundle, config: EngineConfig):
         self.device = resolve_device(config.device)
@@ -67,12 +73,10 @@ class ModelRunner:
         self.backend = select_backend(config.attention_backend, self.device, model.num_attention_heads,
                                       model.num_key_value_heads, head_dim(model), window.page_size, self.dtype)
         if self.device.type == "cuda":
-            served = range(bundle.first_layer, bundle.first_layer + bundle.num_layers)
-            windows = {layer_window(model, i) for i in served} - {None}
             self.backend = self_check.checked_attention(config.attention_backend, self.backend, self.device,
                                                         model.num_attention_heads, model.num_key_value_heads,
                                                         head_dim(model), window.page_size, self.dtype,
-                                                        min(windows, default=None))
+                                                        served_window(bundle))
 
     def run(self, caches: list[PagedSequence], hidden: list[torch.Tensor],
             num_outputs: list[int]) -> list[torch.Tensor | None]:
