@@ -1,5 +1,6 @@
-"""scripts/gpu_env.py, the GPU machine's preflight: what it says without CUDA, and grpcio/protobuf against the
-versions the generated gRPC code accepts (pyproject.toml's floors included)."""
+"""scripts/gpu_env.py, the GPU machine's preflight: what it says without CUDA and, on a made-up CUDA torch,
+without FlashInfer; grpcio/protobuf against the versions the generated gRPC code accepts (pyproject.toml's
+floors included)."""
 
 from __future__ import annotations
 
@@ -77,3 +78,51 @@ def test_pyproject_floors_are_what_the_generated_code_accepts():
         assert floors, f"pyproject.toml gives {name} no lower bound"
         assert gpu_env.version_tuple(max(floors, key=gpu_env.version_tuple)) >= gpu_env.version_tuple(needed), (
             f"pyproject.toml allows {requirements[name]}, the generated code needs {name}>={needed}")
+
+
+def fake_cuda_torch():
+    """torch as a CUDA machine shows it: one GPU, a CUDA build; its tensors are this machine's."""
+    from types import SimpleNamespace
+
+    props = SimpleNamespace(name="Fake GPU", total_memory=80 * 2**30, major=9, minor=0)
+    cuda = SimpleNamespace(is_available=lambda: True, device_count=lambda: 1, get_device_properties=lambda i: props)
+    return SimpleNamespace(__version__="2.11.0+cu130", version=SimpleNamespace(cuda="13.0"), cuda=cuda,
+                           bfloat16=torch.bfloat16, ones=lambda *shape, device, dtype: torch.ones(*shape, dtype=dtype))
+
+
+@pytest.fixture
+def on_a_cuda_machine(monkeypatch):
+    real = gpu_env.timed_import
+
+    def timed_import(module, distribution=None):
+        if module == "torch":
+            return fake_cuda_torch(), gpu_env.Import("torch", 0.5, "2.11.0+cu130")
+        if module == "flashinfer":  # absent here; made absent wherever the test runs
+            return None, gpu_env.Import("flashinfer", 0.1, error="ModuleNotFoundError: No module named 'flashinfer'")
+        return real(module, distribution)
+
+    monkeypatch.setattr(gpu_env, "timed_import", timed_import)
+    monkeypatch.setattr(gpu_env, "driver_version", lambda: "580.1")
+
+
+def test_cuda_without_flashinfer_exits_3_and_says_serve_with_torch(on_a_cuda_machine, capsys):
+    assert gpu_env.main([]) == gpu_env.NO_FLASHINFER == 3
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == (f"gpu_env: Python {sys.version.split()[0]}, Fake GPU (80 GiB, sm_90), driver 580.1, torch "
+                        "2.11.0+cu130 (CUDA 13.0), nvcc -, flashinfer -, kernel cache -")
+    imported = [line.split()[1] for line in lines if line.startswith("  import ")]
+    assert imported == ["torch", "flashinfer"] + [module for _, module in gpu_env.SERVER_IMPORTS]
+    assert [line for line in lines if line.startswith("problem: ")] == [
+        "problem: FlashInfer is not importable (ModuleNotFoundError: No module named 'flashinfer'): install it with "
+        "`pip install 'infemeral[cuda]'` (the Docker image has it; a machine without network: scripts/gpu_kit.py)"]
+    assert lines[-1] == "gpu_env: CUDA works, FlashInfer does not: serve with `--attention-backend torch` (exit 3)"
+
+
+def test_an_old_grpcio_outranks_a_missing_flashinfer(on_a_cuda_machine, monkeypatch):
+    needed = gpu_env.generated_versions()["grpcio"]
+    real = gpu_env.installed_version
+    monkeypatch.setattr(gpu_env, "installed_version", lambda name: older(needed) if name == "grpcio" else real(name))
+    env = gpu_env.report()
+    assert env.status == gpu_env.SERVER_PACKAGES == 4 and not env.ready
+    assert env.problems[0].startswith(f"grpcio {older(needed)} is older than the generated gRPC code accepts")
+    assert env.problems[-1].startswith("FlashInfer is not importable")
