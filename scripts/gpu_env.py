@@ -30,8 +30,8 @@ sys.path.insert(0, str(ROOT))
 
 READY, NO_CUDA, NO_FLASHINFER, SERVER_PACKAGES = 0, 2, 3, 4
 GENERATED = ROOT / "infemeral" / "protocol" / "generated"
-# (distribution, module the server imports), in the order the server needs them; the last imports the whole
-# server, the generated gRPC code (which checks the grpcio and protobuf versions itself) included
+# (distribution, module the server imports); the last two are the server itself (with the generated gRPC code,
+# which checks grpcio's and protobuf's versions as it loads) and its command line
 SERVER_IMPORTS = (
     ("transformers", "transformers"),
     ("safetensors", "safetensors.torch"),
@@ -44,6 +44,7 @@ SERVER_IMPORTS = (
     ("pydantic-settings", "pydantic_settings"),
     ("prometheus-client", "prometheus_client"),
     ("jinja2", "jinja2"),
+    ("infemeral", "infemeral.server.app"),
     ("infemeral", "infemeral.server.main"),
 )
 
@@ -88,10 +89,11 @@ class Environment:
         """One line: the GPU and the versions that decide the CUDA path."""
         gpus = "; ".join(self.gpus) or "no GPU"
         return (f"{gpus}, driver {self.driver or '?'}, torch {self.torch or '-'} (CUDA {self.torch_cuda or '-'}), "
-                f"nvcc {self.nvcc or '-'}, flashinfer {self.flashinfer or '-'}, kernel cache {self.kernel_cache or '-'}")
+                f"nvcc {self.nvcc or '-'}, flashinfer {self.flashinfer or '-'}, "
+                f"kernel cache {self.kernel_cache or '-'}")
 
     def lines(self) -> list[str]:
-        verdict = {READY: "ready: serve with FlashInfer (`--attention-backend flashinfer`, or auto)",
+        verdict = {READY: "ready: FlashInfer and the server's packages import (scripts/gpu_check.py proves the kernels)",
                    NO_CUDA: "NOT READY: no usable CUDA torch",
                    NO_FLASHINFER: "CUDA works, FlashInfer does not: serve with `--attention-backend torch`",
                    SERVER_PACKAGES: "NOT READY: a package the server imports is missing or too old"}[self.status]
@@ -266,8 +268,10 @@ def report() -> Environment:
         mod, imported = timed_import(module, distribution)
         env.imports.append(imported)
         if mod is None:
-            server.append(f"the server cannot import {module} ({imported.error}): `pip install {distribution}` "
-                          "(a machine without network: scripts/gpu_kit.py)")
+            fix = (f"`pip install {distribution}`" if distribution != "infemeral"
+                   else "`pip install -e .` in the checkout")
+            server.append(f"the server cannot import {module} ({imported.error}): {fix} (a machine without network: "
+                          "scripts/gpu_kit.py)")
     env.problems += server + attention
     env.status = SERVER_PACKAGES if server else NO_FLASHINFER if attention else READY
     return env
