@@ -93,7 +93,7 @@ class Environment:
                 f"kernel cache {self.kernel_cache or '-'}")
 
     def lines(self) -> list[str]:
-        verdict = {READY: "ready: FlashInfer and the server's packages import (scripts/gpu_check.py proves the kernels)",
+        verdict = {READY: "ready: FlashInfer and the server's packages import (gpu_check.py proves the kernels)",
                    NO_CUDA: "NOT READY: no usable CUDA torch",
                    NO_FLASHINFER: "CUDA works, FlashInfer does not: serve with `--attention-backend torch`",
                    SERVER_PACKAGES: "NOT READY: a package the server imports is missing or too old"}[self.status]
