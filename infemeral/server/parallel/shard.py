@@ -93,7 +93,8 @@ def _columns(t: torch.Tensor, cols: range, in_features: int, name: str) -> torch
     start, stop = cols.start * width / in_features, cols.stop * width / in_features
     if start != int(start) or stop != int(stop):
         raise ValueError(f"{name} ({tuple(t.shape)}) cannot be cut at input columns {cols.start}..{cols.stop}: "
-                         "its groups straddle the cut")
+                         "its groups straddle the cut (each rank must hold whole groups); serve this bundle on "
+                         "another rank count, or prepare it with a --group-size that divides every rank's share")
     return t[:, int(start):int(stop)]
 
 
