@@ -47,9 +47,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
-
-SHAPE_8B = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                intermediate_size=14336, vocab_size=128256)
+from gpu_workloads import decode_rate, llama_config, random_batch, random_layers, write_random_bundle  # noqa: E402
 KERNEL_TOLERANCE = {torch.bfloat16: 3e-2, torch.float16: 5e-3}  # max |FlashInfer - torch| on unit-scale inputs
 
 
@@ -79,31 +77,6 @@ def environment():
 
 
 # -- 1. kernels -----------------------------------------------------------------------------------
-def random_batch(lengths, queries, heads, kv_heads, head_dim, page, dtype, seed=0):
-    """Scattered pages of random K/V (NaN everywhere else in the pool) and the batch's CSR arrays."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    num_pages = sum(-(-L // page) for L in lengths) + 8
-    k = torch.full((num_pages, page, kv_heads, head_dim), float("nan"), dtype=dtype, device="cuda")
-    v = torch.full_like(k, float("nan"))
-    order = torch.randperm(num_pages, generator=g, device="cuda").tolist()
-    kv_indptr, indices, last = [0], [], []
-    for L in lengths:
-        n = -(-L // page)
-        pages, order = order[:n], order[n:]
-        for i, p in enumerate(pages):
-            fill = min(page, L - i * page)
-            k[p, :fill] = torch.randn(fill, kv_heads, head_dim, generator=g, device="cuda", dtype=dtype)
-            v[p, :fill] = torch.randn(fill, kv_heads, head_dim, generator=g, device="cuda", dtype=dtype)
-        indices += pages
-        kv_indptr.append(kv_indptr[-1] + n)
-        last.append(L - (n - 1) * page)
-    qo = [0]
-    for n in queries:
-        qo.append(qo[-1] + n)
-    q = torch.randn(qo[-1], heads, head_dim, generator=g, device="cuda", dtype=dtype)
-    return q, k, v, [torch.tensor(x, dtype=torch.int32) for x in (qo, kv_indptr, indices, last)]
-
-
 def check_kernels() -> list[Check]:
     from infemeral.model.paged_attention import FlashInferBackend, torch_paged_attention
 
@@ -197,65 +170,13 @@ def check_model(tmp: Path) -> list[Check]:
 
 
 # -- 3. throughput -------------------------------------------------------------------------------
-def random_layers(config, num_layers: int, dtype) -> list[dict]:
-    g = torch.Generator(device="cuda").manual_seed(0)
-    d, f = config.hidden_size, config.intermediate_size
-    hd = d // config.num_attention_heads
-    q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
-    shapes = {"self_attn.q_proj.weight": (q, d), "self_attn.k_proj.weight": (kv, d), "self_attn.v_proj.weight": (kv, d),
-              "self_attn.o_proj.weight": (d, q), "mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d),
-              "mlp.down_proj.weight": (d, f)}
-    layers = []
-    for _ in range(num_layers):
-        w = {k: torch.randn(s, generator=g, device="cuda", dtype=dtype) * 0.02 for k, s in shapes.items()}
-        w["input_layernorm.weight"] = torch.ones(d, device="cuda", dtype=dtype)
-        w["post_attention_layernorm.weight"] = torch.ones(d, device="cuda", dtype=dtype)
-        layers.append(w)
-    return layers
-
-
-def decode_rate(stack, pool, backend, sessions: int, context: int, steps: int) -> float:
-    """Tokens per second of `steps` batched decode steps of `sessions` sessions, each prefilled with `context`
-    tokens (one at a time: bounded activation memory) in `pool`, whose pages are given back afterwards."""
-    from infemeral.kvcache.paged import PagedBatch, PagedSequence
-
-    device, dtype, hidden = pool.device, pool.dtype, stack.config.hidden_size
-    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
-    seqs = [PagedSequence(pool) for _ in range(sessions)]
-    for s in seqs:
-        s.reserve(context)
-        stack.forward_batch(torch.randn(context, hidden, device=device, dtype=dtype) * 0.1,
-                            PagedBatch(pool, [s], [context], backend))
-
-    def step():
-        for s in seqs:
-            s.reserve(s.length + 1)
-        stack.forward_batch(torch.randn(sessions, hidden, device=device, dtype=dtype) * 0.1,
-                            PagedBatch(pool, seqs, [1] * sessions, backend))
-
-    for _ in range(3):
-        step()
-    sync()
-    t = time.perf_counter()
-    for _ in range(steps):
-        step()
-    sync()
-    rate = sessions * steps / (time.perf_counter() - t)
-    for s in seqs:
-        s.wipe()
-    return rate
-
-
 def check_throughput(num_layers: int, sessions: list[int], context: int, steps: int) -> list[Check]:
-    from transformers import LlamaConfig
-
     from infemeral.kvcache.paged import PagePool
     from infemeral.model.layers import LayerStack
     from infemeral.model.paged_attention import FlashInferBackend, TorchBackend
 
     dtype, page = torch.bfloat16, 16
-    config = LlamaConfig(**{**SHAPE_8B, "num_hidden_layers": num_layers}, max_position_embeddings=8192,
-                         rope_theta=500000.0, rms_norm_eps=1e-5)
+    config = llama_config("llama-3-8b", num_layers)
     stack = LayerStack(config, 0, random_layers(config, num_layers, dtype), dtype=dtype, device="cuda")
     hd = config.hidden_size // config.num_attention_heads
     pool = PagePool(max(sessions) * (-(-(context + steps + 1) // page)) + 8, page, 0, num_layers,
@@ -281,30 +202,6 @@ def check_throughput(num_layers: int, sessions: list[int], context: int, steps: 
 
 
 # -- 4. tensor parallelism --------------------------------------------------------------------------
-def write_random_bundle(directory: Path, config, num_layers: int, dtype) -> None:
-    """A server bundle of random served layers (layer 1 on; layer 0 would be the client's), as prepare writes
-    one: config, one safetensors file per layer, manifest with hashes and fingerprint."""
-    import json
-
-    from safetensors.torch import save_file
-
-    from infemeral.cloak import bundle as B
-    from infemeral.cloak.server_config import write_server_config
-
-    directory.mkdir(parents=True)
-    files = {}
-    for i, weights in enumerate(random_layers(config, num_layers, dtype), start=1):
-        save_file({k: v.cpu().contiguous() for k, v in weights.items()}, str(directory / B.layer_file(i)))
-        files[B.layer_file(i)] = B.sha256_file(directory / B.layer_file(i))
-    write_server_config(config, directory)
-    files["config.json"] = B.sha256_file(directory / "config.json")
-    manifest = {"format": B.SERVER_FORMAT, "format_version": B.FORMAT_VERSION, "model_type": config.model_type,
-                "hidden_size": config.hidden_size, "dtype": str(dtype).removeprefix("torch."), "first_layer": 1,
-                "num_layers": num_layers, "total_layers": num_layers + 1, "files": files}
-    manifest["fingerprint"] = B.fingerprint(manifest)
-    (directory / "manifest.json").write_text(json.dumps(manifest, indent=2))
-
-
 def engine_throughput(engine, sessions: list[int], context: int, steps: int, label: str) -> dict[int, float]:
     """Decode tokens/s of `n` sessions at `context` tokens, each step one token of every session, for each n."""
     d = engine.hidden_size
@@ -346,8 +243,6 @@ def first_outputs(engine, prompt: torch.Tensor) -> torch.Tensor:
 
 def check_tensor_parallel(tmp: Path, ranks: int, num_layers: int, sessions: list[int], context: int,
                           steps: int) -> list[Check]:
-    from transformers import LlamaConfig
-
     from infemeral.cloak.bundle import ServerBundle
     from infemeral.kvcache.window import WindowPolicy
     from infemeral.server.config import EngineConfig
@@ -356,8 +251,7 @@ def check_tensor_parallel(tmp: Path, ranks: int, num_layers: int, sessions: list
     from infemeral.server.parallel.shard import parameter_bytes
     from infemeral.storage.directory import DirectoryStore
 
-    config = LlamaConfig(**{**SHAPE_8B, "num_hidden_layers": num_layers + 1}, max_position_embeddings=8192,
-                         rope_theta=500000.0, rms_norm_eps=1e-5)
+    config = llama_config("llama-3-8b", num_layers + 1)
     write_random_bundle(tmp / "server", config, num_layers, torch.bfloat16)
     bundle = ServerBundle.open(tmp / "server")
     engine_config = EngineConfig(device="cuda", dtype="bfloat16", window=WindowPolicy(4096),
@@ -448,16 +342,13 @@ def check_quantized_model(tmp: Path) -> list[Check]:
 def check_quantized_layers(num_layers: int, sessions: list[int], context: int, steps: int) -> list[Check]:
     """Random 8B-shaped layers, round-to-nearest int8 and int4 (default group): GPU memory of the weights and
     the decode step against bf16 (same weights, same pages), with the PyTorch attention backend."""
-    from transformers import LlamaConfig
-
     from infemeral.kvcache.paged import PagePool
     from infemeral.model.layers import LayerStack
     from infemeral.model.paged_attention import TorchBackend
     from infemeral.quant import served
 
     dtype, page = torch.bfloat16, 16
-    config = LlamaConfig(**{**SHAPE_8B, "num_hidden_layers": num_layers}, max_position_embeddings=8192,
-                         rope_theta=500000.0, rms_norm_eps=1e-5)
+    config = llama_config("llama-3-8b", num_layers)
     layers = random_layers(config, num_layers, dtype)
     stacks, memory = {}, {}
     for mode in ("bfloat16", "int8", "int4"):

@@ -28,6 +28,9 @@ SHAPES = {
     # Llama-3-8B: untied head.
     "llama-3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                        num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
+    # SmolLM2-135M, the packaged default model: tied embeddings, 49,152 tokens, its own RoPE base.
+    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, rope_theta=100000.0),
     # ~0.5 GB in bf16, mostly layers, cheap to rotate (small hidden size): for tests.
     "small-llama": dict(hidden_size=512, intermediate_size=4096, num_hidden_layers=32, num_attention_heads=8,
                         num_key_value_heads=4, vocab_size=32000, tie_word_embeddings=True),
@@ -47,9 +50,10 @@ class Sizes:
 
 def llama_config(shape: str, num_layers: int | None = None) -> LlamaConfig:
     """The shape's config; `num_layers` keeps its width and cuts its depth (a few layers of a real shape)."""
-    fields = dict(SHAPES[shape], **({"num_hidden_layers": num_layers} if num_layers else {}))
-    return LlamaConfig(**fields, rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192,
-                       bos_token_id=1, eos_token_id=2)
+    fields = dict(rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192, bos_token_id=1,
+                  eos_token_id=2)
+    fields.update(SHAPES[shape], **({"num_hidden_layers": num_layers} if num_layers else {}))
+    return LlamaConfig(**fields)
 
 
 def tensor_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
