@@ -113,7 +113,8 @@ def gpu_plan() -> Plan:
     window = 256
     return Plan(
         dry_run=False, device=torch.device("cuda"), dtype=torch.bfloat16,
-        default=llama_config("smollm2-135m"), big=llama_config("llama-3-8b"), kernel_rows=(1, 8, 32, 512), reps=20,
+        default=llama_config("smollm2-135m"), big=llama_config("llama-3-8b"), kernel_rows=(1, 2, 4, 8, 32, 512),
+        reps=20,
         attention_cases={"decode": ((7, 100, 1000, 4000), (1, 1, 1, 1), None),
                          "prefill with a causal offset": ((700,), (300,), None),
                          "ragged batch": ((5, 130, 1000, 260, 33), (5, 1, 64, 1, 33), None),
@@ -614,6 +615,13 @@ def stage_kernels(stage: Stage) -> None:
                          "int8": median_seconds(lambda: lin8(x), device, plan.reps, 10),
                          "int4": median_seconds(lambda: lin4(x), device, plan.reps, 10)}
                 row.update({f"{s} us": round(t * 1e6, 1) for s, t in times.items()})
+                # the two ways an int8 linear can run, whichever the served one picks at this M: where they cost
+                # the same is where it should switch
+                row["int8 kernel us"] = round(1e6 * median_seconds(
+                    lambda: torch.ops.aten._weight_int8pack_mm(x, lin8.weight, lin8.scale), device, plan.reps, 10), 1)
+                row["int8 dequantised us"] = round(1e6 * median_seconds(
+                    lambda: F.linear(x, int8.dequantize_rows(lin8.weight, lin8.scale, x.dtype)), device, plan.reps,
+                    10), 1)
                 row.update({f"{s} / bf16": times[s] / times["bfloat16"] for s in ("int8", "int4")})
                 row["kernels"] = kernels
                 rows.append(row)
@@ -976,13 +984,18 @@ def plain_decode_rate(model, sessions: int, context: int, steps: int, device, dt
     from infemeral.model.architecture import cache_keyword
 
     d, keyword = model.config.hidden_size, cache_keyword(model)
-    cache = getattr(model(inputs_embeds=torch.randn(sessions, context, d, device=device, dtype=dtype) * 0.1,
-                          use_cache=True), keyword)
+
+    def forward(tokens: int, cache=None):
+        kwargs = {} if cache is None else {keyword: cache}
+        out = model(inputs_embeds=torch.randn(sessions, tokens, d, device=device, dtype=dtype) * 0.1, use_cache=True,
+                    **kwargs)
+        return out.cache if getattr(out, "cache", None) is not None else out.past_key_values  # renamed in 5.x
+
+    cache = forward(context)
 
     def step():
         nonlocal cache
-        cache = getattr(model(inputs_embeds=torch.randn(sessions, 1, d, device=device, dtype=dtype) * 0.1,
-                              use_cache=True, **{keyword: cache}), keyword)
+        cache = forward(1, cache)
 
     for _ in range(3):
         step()
