@@ -7,6 +7,7 @@ survives a stage that raises or hangs, and ends with TARGET lines in the project
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 import time
@@ -108,3 +109,30 @@ def test_a_stage_checks_its_deadline_between_steps(tmp_path):
     stage.deadline = time.monotonic() - 1
     with pytest.raises(gpu_lease.StageOverrun, match="before the next step"):
         stage.check("the next step")
+
+
+def test_compiled_kernels_come_back_within_limits_and_install_where_flashinfer_loads_prebuilt_ones(tmp_path,
+                                                                                                   monkeypatch):
+    """FlashInfer's JIT modules (<jit>/<name>/<name>.so) leave as at most KERNEL_FILES .so.xz files, bfloat16 ones
+    first, none too big or oddly named, and install as <aot>/<name>/<name>.so, byte for byte."""
+    jit, aot, out = tmp_path / "jit", tmp_path / "aot", tmp_path / "out"
+    monkeypatch.setattr(gpu_lease, "flashinfer_dirs", lambda: (jit, aot))
+    monkeypatch.setattr(gpu_lease, "KERNEL_FILE_BYTES", 4096)
+    names = [f"batch_decode_dtype_q_fp16_head_dim_{d}" for d in (64, 128)] + \
+            [f"batch_prefill_dtype_q_bf16_head_dim_{d}_use_swa_{w}" for d in (64, 128) for w in (False, True)] + \
+            [f"page_{i}" for i in range(5)] + ["bad name", "too_big_bf16"]
+    for name in names:
+        (jit / name).mkdir(parents=True)
+        size = 200_000 if name == "too_big_bf16" else 3000
+        (jit / name / f"{name}.so").write_bytes(bytes(range(256)) * 4 + os.urandom(size))
+    found = gpu_lease.collect_kernels(out)
+    kept = [k["file"] for k in found["kept"]]
+    assert found["built here"] == len(names) and len(kept) == gpu_lease.KERNEL_FILES
+    assert [f for f in kept if "bf16" in f] == kept[:4]
+    assert all(gpu_lease.SAFE_NAME.fullmatch(f) and f.endswith(".so.xz") for f in kept)
+    assert sorted(p.name for p in out.iterdir()) == sorted(kept)
+    assert any("too_big_bf16" in why for why in found["left out"]) and any("bad name" in w for w in found["left out"])
+    installed = gpu_lease.install_kernels(out)
+    assert sorted(installed["installed"]) == sorted(f.removesuffix(".so.xz") for f in kept)
+    for name in installed["installed"]:
+        assert (aot / name / f"{name}.so").read_bytes() == (jit / name / f"{name}.so").read_bytes()
