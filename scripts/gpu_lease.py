@@ -78,6 +78,7 @@ OVERRUN_SIGNAL = signal.SIGUSR1
 KERNEL_FILES, KERNEL_FILE_BYTES = 8, 16 << 20  # what comes back of FlashInfer's compiled modules
 SAFE_NAME = re.compile(r"[A-Za-z0-9._-]+")
 PAGE = 16
+SELF_CHECK_WINDOW = 64  # every attention self-check case, the windowed ones (both FlashInfer wrappers) included
 
 
 def say(msg: str) -> None:
@@ -813,7 +814,8 @@ def stage_self_check(stage: Stage) -> None:
                     continue
                 stage.check(f"the {name} attention self-check")
                 backend = TorchBackend() if name == "torch" else FlashInferBackend(device, *heads, PAGE, dtype)
-                failure = self_check.attention_failure(backend, device, *heads, PAGE, dtype)
+                failure = self_check.attention_failure(backend, device, *heads, PAGE, dtype,
+                                                       sliding_window=SELF_CHECK_WINDOW)
                 checks.append({"check": "attention", "shape": label, "backend": name, "dtype": str(dtype)[6:],
                                "failure": failure or "none"})
                 stage.record("checks", checks)

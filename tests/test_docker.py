@@ -545,3 +545,23 @@ def test_runpod_credentials_for_compose(tmp_path):
     assert {str(a) for a in san.get_values_for_type(x509.IPAddress)} == {"127.0.0.1", "192.0.2.7"}
     assert (tmp_path / "tls" / "server.key").stat().st_mode & 0o077 == 0
     assert (tmp_path / "tls" / "api-keys").exists()
+
+
+def test_scripts_in_the_image_bring_the_siblings_they_import():
+    """A script copied into the image runs from /opt/infemeral: every script of ours it imports (directly or
+    through another) must be copied beside it, or it fails there on its first import."""
+    import ast
+
+    scripts = REPO / "scripts"
+    copied = set()
+    for op, arg in dockerfile_instructions():
+        if op == "COPY" and "--from" not in arg:
+            copied |= {Path(a).stem for a in arg.split()[:-1] if a.startswith("scripts/")}
+    assert "gpu_check" in copied
+    for name in sorted(copied):
+        for node in ast.walk(ast.parse((scripts / f"{name}.py").read_text())):
+            modules = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                       else [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+            for module in modules:
+                if (scripts / f"{module.split('.')[0]}.py").exists():
+                    assert module.split(".")[0] in copied, f"scripts/{name}.py imports {module}, not in the image"
