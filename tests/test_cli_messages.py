@@ -3,6 +3,8 @@ exit status 2 for a usage error. In-process and without a server, so it is cheap
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from infemeral.cli.main import main
@@ -91,3 +93,11 @@ def test_an_api_key_file_that_is_not_there_is_one_line(capsys, tmp_path):
     (tmp_path / "key").write_text("# the pod's key\n\n")
     code, text = run(capsys, "generate", "hi", "--api-key-file", tmp_path / "key")
     assert code == 2 and text == f"infemeral-client: --api-key-file {tmp_path / 'key'} holds no API key\n"
+
+
+def test_preparing_the_default_model_without_gguf_names_the_extra(capsys, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "gguf", None)  # `import gguf` now fails as if it were not installed
+    code, text = run(capsys, "prepare", "--quiet", "--output", tmp_path)
+    assert code == 2
+    assert text == ("infemeral-client: reading a .gguf file (the default model is one) needs the gguf package: "
+                    "pip install 'infemeral[gguf]'\n")

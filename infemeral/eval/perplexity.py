@@ -194,6 +194,9 @@ def load_model(spec: str | None):
     else:
         path = Path(spec)
     if path.suffix == ".gguf":
+        from infemeral.cloak.sources import require_gguf
+
+        require_gguf()
         kwargs = dict(gguf_file=path.name)
         where = path.parent
     else:

@@ -57,12 +57,13 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32):
     """A causal LM and its tokenizer from a local directory or .gguf file ('default': the packaged SmolLM2)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from infemeral.cloak.sources import DEFAULT_MODEL, default_gguf_path
+    from infemeral.cloak.sources import DEFAULT_MODEL, default_gguf_path, require_gguf
 
     path = default_gguf_path() if str(path) == DEFAULT_MODEL else Path(path).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"draft model not found: {path} (give a local model directory or .gguf file)")
     if path.suffix == ".gguf":
+        require_gguf()
         kwargs = dict(gguf_file=path.name)
         path = path.parent
     elif path.is_dir():
