@@ -385,6 +385,13 @@ class Orchestrator:
 
         return psutil.Process(self.server.pid).memory_info().rss / 2**20
 
+    def resident_by_kind(self) -> dict[str, float]:
+        """The server's resident memory (MiB) by kind, from /proc/PID/smaps; empty where there is none."""
+        try:
+            return resident_by_kind(Path(f"/proc/{self.server.pid}/smaps").read_text())
+        except OSError:
+            return {}
+
     def wait_quiet(self, timeout: float = 60) -> dict[str, float]:
         """Until no turn is open and no page is used (vanished streams end at the idle bound)."""
         deadline = time.monotonic() + timeout
@@ -404,6 +411,7 @@ class Orchestrator:
                 self.start_redis()
             self.start_server()
             self.rss_start = self.rss_mb()
+            self.resident_start = self.resident_by_kind()
             self.started_at = time.time()
             self.end_at = self.started_at + args.minutes * 60
             threading.Thread(target=self.probe_health, daemon=True).start()
@@ -421,6 +429,7 @@ class Orchestrator:
             self.verified = self.verify()
             self.after_verify = self.wait_quiet()
             self.rss_end = self.rss_mb()
+            self.resident_end = self.resident_by_kind()
             return self.report()
         finally:
             self.stopping.set()
@@ -496,6 +505,9 @@ class Orchestrator:
             f"- server RSS: {self.rss_start:.0f} MiB at start, {self.rss_end:.0f} MiB at the end; at most "
             f"{tally.peak_used_pages:.0f} KV pages were in use at once ({tally.peak_used_pages * self.page_mib:.0f} "
             f"MiB of pool memory, which stays resident once touched)",
+            *[f"- server resident memory {when} by kind (MiB): "
+              + (", ".join(f"{k} {v:.0f}" for k, v in kinds.items()) or "not readable here")
+              for when, kinds in (("at start", self.resident_start), ("at the end", self.resident_end))],
             f"- turn latency (whole SDK turn, {len(turn_seconds)} turns): p50 {_quantile(turn_seconds, 0.5):.1f} s, "
             f"p90 {_quantile(turn_seconds, 0.9):.1f} s",
             f"- health checks: {len(health)} answered, {tally.health_failures} failed; latency p50 {_quantile(health, 0.5):.1f} ms, "
@@ -513,6 +525,32 @@ class Orchestrator:
             *[f"    {c}" for c in tally.worker_crashes],
         ]
         return "\n".join(lines) + "\n"
+
+
+ARENA_HEAP = 64 << 20  # glibc reserves each thread arena's heaps as 64 MiB regions aligned to 64 MiB (64-bit)
+
+
+def resident_by_kind(smaps: str) -> dict[str, float]:
+    """Resident MiB by kind: glibc's thread arenas (and how many heaps they hold), its main heap, other anonymous
+    memory (large allocations mapped on their own: the KV pool, big tensors) and file-backed pages (code, libraries,
+    and the bundle's weights, which are mapped from their files and paged in by the first turns)."""
+    kinds = {"thread arenas": 0.0, "main heap": 0.0, "other anonymous": 0.0, "file-backed": 0.0}
+    arenas, kind = 0, None
+    for line in smaps.splitlines():
+        head = re.match(r"^([0-9a-f]+)-([0-9a-f]+) (\S{4}) \S+ \S+ (\d+)\s*(.*)$", line)
+        if head:
+            start, end, perms, inode, name = int(head[1], 16), int(head[2], 16), head[3], int(head[4]), head[5]
+            if name == "[heap]":
+                kind = "main heap"
+            elif inode or name.startswith("/"):
+                kind = "file-backed"
+            elif not name and perms.startswith("rw") and start % ARENA_HEAP == 0 and end - start <= ARENA_HEAP:
+                kind, arenas = "thread arenas", arenas + 1
+            else:
+                kind = "other anonymous"
+        elif line.startswith("Rss:") and kind is not None:
+            kinds[kind] += int(line.split()[1]) / 1024
+    return {**kinds, "thread arena heaps": arenas}
 
 
 def _quantile(values: list[float], q: float) -> float:
