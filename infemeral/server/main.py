@@ -8,6 +8,7 @@ import sys
 from pydantic import ValidationError
 
 from infemeral.cli.flags import add_settings_flags, settings_from_args
+from infemeral.cloak.heap import cap_arenas
 from infemeral.errors import InfemeralError
 from infemeral.logs import configure as configure_logging
 from infemeral.server.settings import ServerSettings
@@ -35,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    cap_arenas()  # before any turn thread allocates: glibc would otherwise keep freed memory per thread
     args = build_parser().parse_args(argv)
     from infemeral.server.app import serve_forever
     from infemeral.server.parallel.group import torchrun_rank
