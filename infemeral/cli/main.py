@@ -200,6 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--positions", type=int, default=512, help="greedy positions compared (default: 512)")
     q.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="activations of the served layers (default: float32)")
+    q.add_argument("--quiet", action="store_true", help="no progress bar")
 
     t = sub.add_parser("train-drafter", help="train a draft head for a model (faster open chat over a WAN)",
                        description="Train a draft head (EAGLE-style: one decoder layer over the model's own top-layer "

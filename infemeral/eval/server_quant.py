@@ -268,14 +268,16 @@ class PlainReference:
 
 
 # -- the measures ---------------------------------------------------------------------------------------------
-def perplexity(system, ids: list[int], chunk: int = CHUNK) -> float:
-    """exp(mean NLL) of ids[1:] given the ids before each, fed `chunk` tokens at a time with dense attention."""
+def perplexity(system, ids: list[int], chunk: int = CHUNK, advance: Callable[[int], object] = lambda n: None) -> float:
+    """exp(mean NLL) of ids[1:] given the ids before each, fed `chunk` tokens at a time with dense attention;
+    `advance(n)` after each chunk of n tokens (a progress bar's update)."""
     cache, total = system.new_cache(), 0.0
     for start in range(0, len(ids) - 1, chunk):
         part = ids[start:min(start + chunk, len(ids) - 1)]
         logp = torch.log_softmax(system.logits(part, cache), dim=-1)
         targets = torch.tensor(ids[start + 1:start + 1 + len(part)])
         total -= float(logp.gather(1, targets.unsqueeze(1)).sum())
+        advance(len(part))
     return math.exp(total / (len(ids) - 1))
 
 
@@ -297,8 +299,10 @@ class Agreement:
 
 @torch.inference_mode()
 def greedy_sequences(system, prompts: list[list[int]], positions: int, stop: set[int],
-                     per_prompt: int | None = None) -> list[tuple[list[int], list[int]]]:
-    """Greedy continuations (prompt, tokens) from `system` until `positions` tokens in all."""
+                     per_prompt: int | None = None,
+                     advance: Callable[[int], object] = lambda n: None) -> list[tuple[list[int], list[int]]]:
+    """Greedy continuations (prompt, tokens) from `system` until `positions` tokens in all; `advance(1)` after
+    each token."""
     per_prompt = per_prompt or -(-positions // len(prompts))
     out, total = [], 0
     while total < positions:
@@ -310,6 +314,7 @@ def greedy_sequences(system, prompts: list[list[int]], positions: int, stop: set
                     break
                 generated.append(token)
                 ids = [token]
+                advance(1)
             if generated:
                 out.append((list(prompt), generated))
                 total += len(generated)
@@ -329,11 +334,13 @@ def teacher_forced_top1(system, prompt: list[int], continuation: list[int]) -> t
     return torch.cat(rows)[len(prompt) - 1:].argmax(-1)
 
 
-def agreement(candidate, sequences: list[tuple[list[int], list[int]]]) -> Agreement:
-    """Top-1 of `candidate` against the reference's own greedy continuations."""
+def agreement(candidate, sequences: list[tuple[list[int], list[int]]],
+              advance: Callable[[int], object] = lambda n: None) -> Agreement:
+    """Top-1 of `candidate` against the reference's own greedy continuations; `advance(n)` after each."""
     matches, divergences = 0, []
     for prompt, continuation in sequences:
         same = teacher_forced_top1(candidate, prompt, continuation) == torch.tensor(continuation)
+        advance(len(continuation))
         matches += int(same.sum())
         differ = (~same).nonzero()
         divergences.append(int(differ[0]) if len(differ) else None)
@@ -452,17 +459,32 @@ def chat_ids(tokenizer, text: str) -> list[int]:
 
 
 def measure_bundle(reference, candidate, tokenizer, text: str, text_tokens: int = TEXT_TOKENS,
-                   positions: int = 512, stop: set[int] = frozenset(), quant: str = "") -> BundleReport:
-    """Perplexity and greedy agreement of `candidate` against `reference` (both `.logits(ids, cache)` systems)."""
+                   positions: int = 512, stop: set[int] = frozenset(), quant: str = "",
+                   progress: bool = False) -> BundleReport:
+    """Perplexity and greedy agreement of `candidate` against `reference` (both `.logits(ids, cache)` systems).
+    A CPU takes minutes over the defaults, so `progress` shows one bar (on stderr) over the four phases' tokens."""
+    from tqdm.auto import tqdm
+
     ids = tokenizer(text, add_special_tokens=False)["input_ids"][:text_tokens]
     prompts = [chat_ids(tokenizer, p) for p in AGREEMENT_PROMPTS]
-    sequences = greedy_sequences(reference, prompts, positions, set(stop))
-    return BundleReport(quant, len(ids), perplexity(reference, ids), perplexity(candidate, ids),
-                        agreement(candidate, sequences))
+    scored = max(len(ids) - 1, 0)
+    with tqdm(total=positions + 2 * scored + positions, unit="tok", disable=not progress, leave=False) as bar:
+        bar.set_description("float32 greedy answers")
+        sequences = greedy_sequences(reference, prompts, positions, set(stop), advance=bar.update)
+        compared = sum(len(continuation) for _, continuation in sequences)
+        bar.total = bar.n + 2 * scored + compared  # the answers may run a little past `positions`
+        bar.set_description("float32 perplexity")
+        reference_perplexity = perplexity(reference, ids, advance=bar.update)
+        bar.set_description(f"{quant or 'bundle'} perplexity")
+        candidate_perplexity = perplexity(candidate, ids, advance=bar.update)
+        bar.set_description(f"{quant or 'bundle'} agreement")
+        agreed = agreement(candidate, sequences, advance=bar.update)
+    return BundleReport(quant, len(ids), reference_perplexity, candidate_perplexity, agreed)
 
 
 def run_bundle(model: str | None, client_dir: Path, server_dir: Path, text: Path = DEFAULT_TEXT,
-               text_tokens: int = TEXT_TOKENS, positions: int = 512, dtype: str = "float32") -> BundleReport:
+               text_tokens: int = TEXT_TOKENS, positions: int = 512, dtype: str = "float32",
+               progress: bool = False) -> BundleReport:
     from infemeral.cloak.bundle import DTYPES
     from infemeral.eval.perplexity import load_model
 
@@ -470,12 +492,14 @@ def run_bundle(model: str | None, client_dir: Path, server_dir: Path, text: Path
         where = " (the default ships with the repository, not the package)" if Path(text) == DEFAULT_TEXT else ""
         raise ValueError(f"held text {text} not found{where}: pass --text FILE, a few thousand words the model "
                          "was not tuned on")
+    if progress:
+        print("loading the float32 model and the bundles...", file=sys.stderr, flush=True)
     plain, tokenizer = load_model(model)
     candidate = BundleSplit(client_dir, server_dir, DTYPES[dtype])
     eos = candidate.client.bundle.generation_config().eos_token_id
     stop = set(eos if isinstance(eos, list) else [] if eos is None else [eos]) | {tokenizer.eos_token_id}
     return measure_bundle(PlainReference(plain), candidate, tokenizer, text.read_text(), text_tokens, positions,
-                          stop - {None}, candidate.quant.describe())
+                          stop - {None}, candidate.quant.describe(), progress)
 
 
 # -- what keeping the gains apart costs -------------------------------------------------------------------
@@ -682,7 +706,7 @@ def add_bundle_arguments(parser: argparse.ArgumentParser) -> None:
 
 def bundle_command(args) -> int:
     report = run_bundle(args.model, args.client_bundle, args.server_bundle, args.text, args.tokens, args.positions,
-                        args.dtype)
+                        args.dtype, progress=True)
     print(report.describe())
     return 0
 

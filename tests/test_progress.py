@@ -1,0 +1,63 @@
+"""Long phases show progress on stderr (stdout stays the result): eval server-quant's measurement and GPTQ's
+calibration. Tiny fakes, so each test costs well under a second."""
+
+from __future__ import annotations
+
+import torch
+
+from infemeral.eval import server_quant as sq
+
+VOCAB = 11
+
+
+class CountingSystem:
+    """A `.logits(ids, cache)` system with fixed random logits; counts the tokens it is asked about."""
+
+    def __init__(self, seed: int):
+        self.table = torch.randn(VOCAB, VOCAB, generator=torch.Generator().manual_seed(seed))
+        self.tokens = 0
+
+    def new_cache(self):
+        return None
+
+    def logits(self, ids, cache):
+        self.tokens += len(ids)
+        return self.table[torch.tensor(ids) % VOCAB]
+
+
+class DigitTokenizer:
+    eos_token_id = None
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [int(c) for c in text if c.isdigit()]}
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
+        return [len(m["content"]) % VOCAB for m in messages] + [1, 2]
+
+
+def test_the_bundle_measure_shows_its_phases_on_stderr(capsys):
+    sq.measure_bundle(CountingSystem(0), CountingSystem(1), DigitTokenizer(), "3141592653" * 20, text_tokens=150,
+                      positions=24, quant="int4 (test)", progress=True)
+    out = capsys.readouterr()
+    assert out.out == ""
+    for phase in ("float32 greedy answers", "float32 perplexity", "int4 (test) perplexity", "int4 (test) agreement"):
+        assert phase in out.err, out.err
+
+
+def test_each_phase_advances_the_bar_by_the_tokens_it_did():
+    done = []
+    ids = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+    sq.perplexity(CountingSystem(0), ids, chunk=4, advance=done.append)
+    assert done == [4, 4, 1]
+    done.clear()
+    sequences = sq.greedy_sequences(CountingSystem(0), [[1, 2], [3]], 12, stop=set(), advance=done.append)
+    assert sum(done) == sum(len(c) for _, c in sequences) >= 12
+    done.clear()
+    agreed = sq.agreement(CountingSystem(1), sequences, advance=done.append)
+    assert done == [len(c) for _, c in sequences] and sum(done) == agreed.positions
+
+
+def test_the_bundle_measure_is_silent_when_asked(capsys):
+    sq.measure_bundle(CountingSystem(0), CountingSystem(1), DigitTokenizer(), "271828" * 10, text_tokens=40,
+                      positions=8, progress=False)
+    assert capsys.readouterr().err == ""
