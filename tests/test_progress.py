@@ -61,3 +61,27 @@ def test_the_bundle_measure_is_silent_when_asked(capsys):
     sq.measure_bundle(CountingSystem(0), CountingSystem(1), DigitTokenizer(), "271828" * 10, text_tokens=40,
                       positions=8, progress=False)
     assert capsys.readouterr().err == ""
+
+
+def test_calibration_passes_show_a_bar_per_layer_on_stderr(capsys):
+    from transformers import LlamaConfig
+
+    from infemeral.quant.calibration import Calibration
+
+    config = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, vocab_size=VOCAB)
+    shapes = {"input_layernorm.weight": (16,), "post_attention_layernorm.weight": (16,),
+              "self_attn.q_proj.weight": (16, 16), "self_attn.k_proj.weight": (8, 16),
+              "self_attn.v_proj.weight": (8, 16), "self_attn.o_proj.weight": (16, 16),
+              "mlp.gate_proj.weight": (32, 16), "mlp.up_proj.weight": (32, 16), "mlp.down_proj.weight": (16, 32)}
+    weights = {name: torch.randn(shape) for name, shape in shapes.items()}
+    calibration = Calibration.from_tokens(config, torch.randn(VOCAB, 16), [[1, 2, 3], [4, 5]])
+    calibration.progress = True
+    calibration.hessians(1, weights)
+    calibration.advance(1, weights)
+    out = capsys.readouterr()
+    assert out.out == ""
+    assert "layer 1: calibration inputs (Hessians)" in out.err and "layer 1: calibration text through" in out.err
+    calibration.progress = False
+    calibration.advance(1, weights)
+    assert capsys.readouterr().err == ""

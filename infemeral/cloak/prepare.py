@@ -104,6 +104,8 @@ def prepare(model: str | Path | None = None, output: str | Path = "bundles", *,
                 raise ValueError(f"{source.description} has no tensors for decoder layer {i}")
             if i < client_layers:
                 if calibration is not None:
+            calibration.progress = progress  # a bar over each layer's calibration passes, beneath the layer bar
+        check = _held_check(source, config, taken) if quant.is_quantized and agreement_check else None
                     calibration.advance(i, {k: v.to(torch.float32) for k, v in weights.items()})
                 weights = {k: v.to(torch_dtype).contiguous() for k, v in weights.items()}
                 if client_quant == "int8":

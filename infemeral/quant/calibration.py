@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
+from tqdm.auto import tqdm
 from transformers import PretrainedConfig
 
 from infemeral.model.layers import LayerStack
@@ -55,6 +56,9 @@ class Calibration:
         self.config = config
         self.hidden = [h.to(torch.float32) for h in hidden]
         self.adapt_layer = adapt_layer  # LayerStack's hook, for layers arranged differently from the model's own
+        # a bar (stderr) over the sequences of each pass: a layer's two passes take seconds each on a laptop's CPU,
+        # so without it the first served layer's work passes in silence
+        self.progress = False
 
     @classmethod
     def from_tokens(cls, config: PretrainedConfig, embedding: torch.Tensor,
@@ -70,7 +74,8 @@ class Calibration:
         q = basis.to(torch.float32)
         self.hidden = [h @ q for h in self.hidden]
 
-    def _run(self, index: int, weights: Mapping[str, torch.Tensor], hooks: dict | None = None) -> list[torch.Tensor]:
+    def _run(self, index: int, weights: Mapping[str, torch.Tensor], hooks: dict | None = None,
+             phase: str = "calibration text through") -> list[torch.Tensor]:
         stack = LayerStack(self.config, index, [weights], dtype=torch.float32, adapt_layer=self.adapt_layer)
         handles = []
         for name, h in (hooks or {}).items():
@@ -83,7 +88,9 @@ class Calibration:
             # short sequences through a small layer: threads cost more than they save (on 2 busy shared cores, a
             # layer of the default model's shape over 20 sequences of 150 tokens: 54 s on two threads, 5.4 s on one)
             with one_thread(small):
-                return [stack(h, stack.new_cache(capacity=h.shape[0])) for h in self.hidden]
+                sequences = tqdm(self.hidden, desc=f"layer {index}: {phase}", unit="seq", leave=False,
+                                 disable=not self.progress)
+                return [stack(h, stack.new_cache(capacity=h.shape[0])) for h in sequences]
         finally:
             for handle in handles:
                 handle.remove()
@@ -94,7 +101,7 @@ class Calibration:
         for first in INPUT_GROUPS:
             k = weights[f"{first}.weight"].shape[1]
             sums[first] = torch.zeros(k, k, dtype=torch.float32)
-        self._run(index, weights, sums)
+        self._run(index, weights, sums, phase="calibration inputs (Hessians)")
         return {name: sums[first] for first, names in INPUT_GROUPS.items() for name in names}
 
     def advance(self, index: int, weights: Mapping[str, torch.Tensor]) -> None:
