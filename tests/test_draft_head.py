@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import stat
 
 import pytest
 import torch
@@ -149,6 +150,8 @@ def test_our_own_layout_round_trips_with_its_draft_vocabulary(tiny, tmp_path):
     ids, rows = probe_of(lambda i: model.model.embed_tokens.weight[i].detach(), VOCAB)
     draft_ids = torch.tensor([7, 3, 50, 2, 91])
     save_head(tmp_path / "head", module, draft_ids=draft_ids, vocab_size=VOCAB, probe_ids=ids, probe_rows=rows)
+    saved = sorted((p.name, stat.S_IMODE(p.stat().st_mode)) for p in (tmp_path / "head").iterdir())
+    assert saved == [("config.json", 0o600), ("model.safetensors", 0o600)]  # owner-only, no temporary left
     raw = json.loads((tmp_path / "head" / "config.json").read_text())
     assert raw["num_hidden_layers"] == 1 and raw["draft_vocab_size"] == 5 and raw["model_type"] == "llama"
     head = DraftHead.load(tmp_path / "head", client)

@@ -10,6 +10,7 @@ import threading
 import numpy as np
 import pytest
 
+from infemeral.files import TEMP_PREFIX
 from infemeral.speculation.answer_index import AnswerIndex, forget_answers
 from infemeral.speculation.matching import SEPARATOR, suffix_matches
 from infemeral.speculation.prompt_lookup import PromptLookup
@@ -266,7 +267,7 @@ def test_forget_answers_forgets_every_index_file_and_the_leftovers_of_a_rewrite(
     first, second = AnswerIndex(tmp_path / "a.tokens"), AnswerIndex(tmp_path / "b.tokens")
     first.add([1, 2, 3, 4])
     second.add([5, 6, 7, 8])
-    (tmp_path / ".a.tokens.x1y2.tmp").write_bytes(np.array([1, 2, SEPARATOR], dtype="<i4").tobytes())
+    (tmp_path / f"{TEMP_PREFIX}a.tokens.x1y2").write_bytes(np.array([1, 2, SEPARATOR], dtype="<i4").tobytes())
     assert forget_answers(tmp_path) == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["forgotten"]
     assert first.propose([1, 2, 3], 2) == [] and second.propose([5, 6, 7], 2) == []

@@ -16,8 +16,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "infemeral"
 # matching prefix decides a module's layer: `infemeral.client.model` (the laptop's half of the model)
 # sits below `infemeral.client` (the SDK), `infemeral.cli.flags` (a leaf both commands use) at the bottom.
 LAYERS = [
-    ("foundation", ("infemeral.errors", "infemeral.logs", "infemeral.paths", "infemeral.protocol",
-                    "infemeral.transport", "infemeral.cli.flags")),
+    ("foundation", ("infemeral.errors", "infemeral.files", "infemeral.logs", "infemeral.paths",
+                    "infemeral.protocol", "infemeral.transport", "infemeral.cli.flags")),
     ("storage, cache, model, weights, cloak", ("infemeral.storage", "infemeral.kvcache", "infemeral.model",
                                                "infemeral.quant", "infemeral.cloak")),
     ("the laptop's half of the model", ("infemeral.client.model",)),

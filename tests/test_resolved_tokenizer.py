@@ -16,6 +16,7 @@ import sys
 
 import pytest
 
+from infemeral import files
 from infemeral.cloak import resolved_tokenizer
 from infemeral.cloak.bundle import ClientBundle, load_tokenizer
 from infemeral.errors import FailedPrecondition
@@ -252,7 +253,7 @@ def test_an_edited_chat_template_is_the_one_used(writable, tmp_path, monkeypatch
     (directory / "chat_template.jinja").write_text("new: {{ messages[0]['content'] }}")
     assert resolved_tokenizer.load(directory) is None  # out of date
     if not writable:
-        monkeypatch.setattr(resolved_tokenizer.os, "replace", read_only)
+        monkeypatch.setattr(files.os, "replace", read_only)
     for _ in range(2):  # the start that builds the file again, and the next one that reads it
         assert bundle.laptop_tokenizer().apply_chat_template(CHAT, tokenize=False) == "new: hello"
     assert isinstance(bundle.laptop_tokenizer(), resolved_tokenizer.ResolvedTokenizer) == writable
@@ -300,7 +301,7 @@ def test_a_bundle_prepared_before_the_file_existed_gets_it_on_first_load(bundles
     assert not isinstance(first, resolved_tokenizer.ResolvedTokenizer)  # transformers', this once
     written = bundle / "tokenizer" / resolved_tokenizer.FILE
     assert written.is_file() and (written.stat().st_mode & 0o777) == 0o600
-    assert not list((bundle / "tokenizer").glob(".*partial"))
+    assert not files.leftover_temporaries(bundle / "tokenizer")
     again = ClientBundle.open(bundle).laptop_tokenizer()
     assert isinstance(again, resolved_tokenizer.ResolvedTokenizer)
     assert_same_tokenizer(first, again)
@@ -312,7 +313,7 @@ def test_a_bundle_that_cannot_be_written_still_loads_its_tokenizer(bundles, tmp_
     shutil.copytree(bundles.client_dir, bundle)
     (bundle / "tokenizer" / resolved_tokenizer.FILE).unlink()
 
-    monkeypatch.setattr(resolved_tokenizer.os, "replace", read_only)
+    monkeypatch.setattr(files.os, "replace", read_only)
     tokenizer = ClientBundle.open(bundle).laptop_tokenizer()
     assert tokenizer("Hello")["input_ids"] and not (bundle / "tokenizer" / resolved_tokenizer.FILE).exists()
-    assert not list((bundle / "tokenizer").glob(".*partial"))
+    assert not files.leftover_temporaries(bundle / "tokenizer")

@@ -4,13 +4,12 @@ The file holds everything the server does not: the session id and key, the
 version, the transcript and the committed part of the local layers' cache, and
 a turn whose commit is still unconfirmed (`PendingCommit`), so that a client
 that exits in between settles it when the session is resumed. Safetensors,
-with the metadata as JSON; written through a temporary file and renamed.
+with the metadata as JSON; written whole, owner-only and durably (`write_private`).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from infemeral.errors import FailedPrecondition, InfemeralError
+from infemeral.files import write_private
 
 if TYPE_CHECKING:  # torch loads with the tensors, not to read who a session is (`identity`: delete)
     from infemeral.client.pending import PendingCommit
@@ -41,7 +41,7 @@ class SavedSession:
 
 
 def save(path: str | Path, saved: SavedSession, server_fingerprint: str) -> Path:
-    from safetensors.torch import save_file
+    from safetensors.torch import save as save_tensors
 
     path = Path(path).expanduser()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -56,13 +56,8 @@ def save(path: str | Path, saved: SavedSession, server_fingerprint: str) -> Path
         tensors[f"k.{slot}"], tensors[f"v.{slot}"] = k.contiguous(), v.contiguous()
     if pending:
         tensors.update(pending.tensors())
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.close(fd)
-    save_file(tensors, str(tmp), metadata={"session": json.dumps(meta)})
-    os.chmod(tmp, 0o600)
-    os.replace(tmp, path)
-    return path
+    # durable: it holds the session's key, without which the cache the server keeps for it cannot be read
+    return write_private(path, save_tensors(tensors, metadata={"session": json.dumps(meta)}), durable=True)
 
 
 def load(path: str | Path, server_fingerprint: str, new_cache: Callable[[], KVCache]) -> SavedSession:

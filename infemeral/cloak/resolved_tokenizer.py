@@ -23,12 +23,11 @@ import hashlib
 import importlib.metadata
 import json
 import logging
-import os
-import tempfile
 from pathlib import Path
 
 from infemeral.cloak import chat_render
 from infemeral.errors import FailedPrecondition
+from infemeral.files import write_private
 
 log = logging.getLogger(__name__)
 
@@ -104,15 +103,9 @@ def write(tokenizer, directory: Path) -> bool:
                                                                           "pad_token")},
         "chat_template": tokenizer.chat_template,
     }
-    # whole or not at all, a temporary file of its own per writer (two clients may start at once), created
-    # owner-only: it lies beside the client bundle's secrets
-    fd, partial = tempfile.mkstemp(dir=directory, prefix=f".{FILE}.", suffix=".partial")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(data, ensure_ascii=False))
-        os.replace(partial, directory / FILE)
-    finally:
-        Path(partial).unlink(missing_ok=True)
+    # a temporary file of its own per writer (two clients may start at once); owner-only: it lies beside the
+    # client bundle's secrets
+    write_private(directory / FILE, json.dumps(data, ensure_ascii=False).encode())
     return True
 
 

@@ -13,13 +13,13 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 
+from infemeral.files import leftover_temporaries, write_private
 from infemeral.speculation.matching import SEPARATOR, continuation, suffix_matches
 
 log = logging.getLogger(__name__)
@@ -166,7 +166,7 @@ class AnswerIndex:
         self._file_tokens += len(new)
 
     def _rewrite(self, corpus: np.ndarray) -> None:
-        _replace_whole(self.path, corpus.astype("<i4").tobytes())
+        write_private(self.path, corpus.astype("<i4").tobytes())
         self._file_tokens = len(corpus)
 
     def _bounded(self, corpus: np.ndarray) -> np.ndarray:
@@ -196,10 +196,10 @@ def _forget(directory: Path, files: list[Path]) -> bytes:
     mark; the new mark. Under the directory's lock."""
     for path in files:
         path.unlink(missing_ok=True)
-        for leftover in directory.glob(f".{path.name}.*.tmp"):
+        for leftover in leftover_temporaries(directory, path.name):
             leftover.unlink(missing_ok=True)
     mark = os.urandom(8).hex().encode()
-    _replace_whole(directory / FORGET_MARK, mark)
+    write_private(directory / FORGET_MARK, mark)
     return mark
 
 
@@ -222,18 +222,6 @@ def _directory_lock(directory: Path) -> Iterator[None]:
         yield
     finally:
         os.close(fd)  # and with it the lock
-
-
-def _replace_whole(path: Path, data: bytes) -> None:
-    """Write `path` whole or not at all, through an owner-only temporary file of its own beside it."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")  # 0600
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def tokenizer_fingerprint(tokenizer) -> str:

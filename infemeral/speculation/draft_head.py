@@ -51,6 +51,7 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from infemeral.errors import FailedPrecondition, InfemeralError
+from infemeral.files import write_private
 from infemeral.kvcache.cache import KVCache
 from infemeral.model import architecture
 from infemeral.model.layers import head_dim, runtime_config
@@ -280,8 +281,9 @@ def save_head(directory: str | Path, module: HeadModel, *, draft_ids: torch.Tens
               vocab_size: int, probe_ids: torch.Tensor | None = None, probe_rows: torch.Tensor | None = None,
               info: dict | None = None) -> Path:
     """Write `module` in the public layout (config.json + model.safetensors), with a draft vocabulary
-    (`draft_ids`: target ids, EAGLE-3's d2t/t2d) and a probe of the target's embedding where given."""
-    from safetensors.torch import save_file
+    (`draft_ids`: target ids, EAGLE-3's d2t/t2d) and a probe of the target's embedding where given. Each file
+    is replaced whole; both are owner-only, like everything else infemeral keeps on the laptop."""
+    from safetensors.torch import save as save_tensors
 
     directory = Path(directory).expanduser()
     directory.mkdir(parents=True, exist_ok=True)
@@ -306,10 +308,9 @@ def save_head(directory: str | Path, module: HeadModel, *, draft_ids: torch.Tens
     config["infemeral"] = {"format": FORMAT, "format_version": FORMAT_VERSION,
                            "input": "fc(concat(embedding of the next token, feature of the position))",
                            "feature": "top layer output after the final norm (the LM head's input)", **(info or {})}
-    tmp = directory / ".model.safetensors.tmp"
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    tmp.replace(directory / "model.safetensors")
-    (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True, default=str) + "\n")
+    write_private(directory / "model.safetensors", save_tensors(tensors, metadata={"format": "pt"}))
+    config_text = json.dumps(config, indent=2, sort_keys=True, default=str) + "\n"
+    write_private(directory / "config.json", config_text.encode())
     return directory
 
 

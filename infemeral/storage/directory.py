@@ -1,14 +1,14 @@
 """Local-directory store: one folder per session, crash-safe writes, flock-based turn lock.
 
-Every file is written to a temp file in the same folder, fsynced, renamed into
-place, and the folder fsynced, so readers and crashes see old or new bytes,
-never a torn file. The turn lock is an flock on the session's lock file: the
-kernel drops it when the holding process dies, so a crashed server never leaves
-a session locked. A holder may remove the session folder, lock file included,
-while it holds the lock (an uncommitted or deleted session leaves no trace), so
-whoever takes the lock checks afterwards that the file it locked is still the
-one at the path, and starts over if not: otherwise two turns could each hold a
-lock on a different file. (flock is per host; replicas on several hosts share
+Every file is written durably (`write_private`: a temp file in the same folder,
+fsynced, renamed into place, the folder fsynced), so readers and crashes see old
+or new bytes, never a torn file. The turn lock is an flock on the session's lock
+file: the kernel drops it when the holding process dies, so a crashed server
+never leaves a session locked. A holder may remove the session folder, lock
+file included, while it holds the lock (an uncommitted or deleted session leaves
+no trace), so whoever takes the lock checks afterwards that the file it locked
+is still the one at the path, and starts over if not: otherwise two turns could
+each hold a lock on a different file. (flock is per host; replicas on several hosts share
 sessions through the Redis store.)
 """
 
@@ -18,22 +18,14 @@ import fcntl
 import os
 import secrets
 import shutil
-import tempfile
 import time
 from pathlib import Path
 
+from infemeral.files import leftover_temporaries, write_private
 from infemeral.storage.base import SessionBusy, SessionLock, Store
 
 MANIFEST = "manifest"
 LOCK = "lock"
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _is_at(fd: int, path: Path) -> bool:
@@ -77,18 +69,7 @@ class DirectoryStore(Store):
 
     def _write(self, folder: Path, name: str, data: bytes) -> None:
         folder.mkdir(mode=0o700, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=folder)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, folder / name)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
-        _fsync_dir(folder)
+        write_private(folder / name, data, durable=True)
         self._count(len(data))
 
     def lock(self, session_id: bytes, lease_seconds: float = 60.0) -> SessionLock:
@@ -134,7 +115,7 @@ class DirectoryStore(Store):
         lock.refresh()
         folder = self.folder(session_id)
         self._write(folder, MANIFEST, data)
-        for leftover in folder.glob(".tmp-*"):  # temp files of writes a crash cut short (we hold the lock)
+        for leftover in leftover_temporaries(folder):  # of writes a crash cut short (we hold the lock)
             leftover.unlink(missing_ok=True)
 
     def list_chunks(self, session_id: bytes) -> list[str]:
