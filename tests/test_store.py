@@ -11,9 +11,11 @@ import random
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from infemeral.errors import Aborted, DataLoss, FailedPrecondition, NotFound, PermissionDenied
 from infemeral.kvcache import stored
@@ -196,6 +198,37 @@ def test_version_mismatch_is_aborted_with_the_stored_version(store):
         c.load(version=1)
     with pytest.raises(NotFound):
         Conversation(store).p.load(os.urandom(16), c.keys, 3, new_cache())
+
+
+def test_no_two_sealed_objects_share_a_key_and_nonce(tmp_path, monkeypatch):
+    """AES-GCM under one key and nonce twice leaks the XOR of the plaintexts and lets the tag be forged:
+    every segment of every chunk (layers, commits, rewrites, compactions) and every manifest must be sealed
+    under a (key, nonce) pair of its own."""
+    sealed: list[tuple[bytes, bytes]] = []
+
+    class RecordingAESGCM:  # the real cipher, noting the key and nonce of each encryption
+        def __init__(self, key: bytes):
+            self.key, self.aead = key, AESGCM(key)
+
+        def encrypt(self, nonce, data, associated_data):
+            sealed.append((self.key, bytes(nonce)))
+            return self.aead.encrypt(nonce, data, associated_data)
+
+        def decrypt(self, nonce, data, associated_data):
+            return self.aead.decrypt(nonce, data, associated_data)
+
+    monkeypatch.setattr(stored, "AESGCM", RecordingAESGCM)
+    store = open_store(tmp_path / "store")
+    c = Conversation(store)
+    c.p.max_chunks = 3
+    for new_tokens, drop in ((5, 0), (1, 0), (2, 3), (4, 0), (1, 0), (3, 0)):  # a rewrite, then a compaction
+        c.turn(new_tokens, drop)
+    assert [(r.start, r.end) for r in c.manifest.chunks] == [(0, 13)], "no compaction happened"
+    commits, chunks_sealed = 6, 6
+    assert len(sealed) == commits + chunks_sealed * LAYERS
+    repeated = {pair for pair in sealed if sealed.count(pair) > 1}
+    assert not repeated, f"{len(repeated)} (key, nonce) pairs sealed more than once"
+    c.assert_loads_equal()
 
 
 # -- tampering ----------------------------------------------------------------------------------------
@@ -431,6 +464,40 @@ def test_a_holder_whose_lease_expired_cannot_delete_the_next_holders_chunk(redis
     assert set(r.name for r in b.manifest.chunks) <= set(s.list_chunks(b.id))
     b.assert_loads_equal()
     s.close()
+
+
+def test_directory_writes_fsync_the_file_before_the_rename_and_the_folder_after(tmp_path, monkeypatch):
+    """A power cut after the rename must find the new bytes (the temp file fsynced, whole, before
+    `os.replace`) and the new name (the folder fsynced after it). A SIGKILL cannot tell; only the order of
+    the calls can."""
+    calls: list[tuple] = []  # ("fsync", inode, size) and ("replace", inode, destination)
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        st = os.fstat(fd)
+        calls.append(("fsync", st.st_ino, st.st_size))
+        real_fsync(fd)
+
+    def replace(src, dst, **kw):
+        calls.append(("replace", os.stat(src).st_ino, Path(dst).name))
+        real_replace(src, dst, **kw)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    store = open_store(tmp_path / "store")
+    sid = os.urandom(16)
+    lock = store.lock(sid)
+    folder = store.folder(sid)
+    for name, data, write in (("chunk-1", b"segments" * 100, lambda d: store.write_chunk(sid, "chunk-1", d)),
+                              ("manifest", b"manifest", lambda d: store.commit_manifest(sid, d, lock))):
+        calls.clear()
+        write(data)
+        file = (folder / name).stat().st_ino
+        renamed = calls.index(("replace", file, name))
+        assert ("fsync", file, len(data)) in calls[:renamed], f"{name}: the temp file was not fsynced whole first"
+        fsynced_after = {inode for kind, inode, _ in calls[renamed:] if kind == "fsync"}
+        assert folder.stat().st_ino in fsynced_after, f"{name}: the folder was not fsynced after the rename"
+    lock.release()
 
 
 def test_directory_lock_taken_while_its_holder_removes_the_file(tmp_path, monkeypatch):
