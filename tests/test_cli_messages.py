@@ -101,3 +101,14 @@ def test_preparing_the_default_model_without_gguf_names_the_extra(capsys, monkey
     assert code == 2
     assert text == ("infemeral-client: reading a .gguf file (the default model is one) needs the gguf package: "
                     "pip install 'infemeral[gguf]'\n")
+
+
+def test_the_server_log_level_is_a_setting_with_its_variable(capsys, monkeypatch, tmp_path):
+    from infemeral.server.main import main as server_main
+    from infemeral.server.settings import ServerSettings
+
+    monkeypatch.setenv("INFEMERAL_LOG_LEVEL", "WARNING")
+    assert ServerSettings().log_level == "WARNING"
+    monkeypatch.setenv("INFEMERAL_LOG_LEVEL", "LOUD")
+    assert server_main(["--bundle", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.startswith("infemeral-server: INFEMERAL_LOG_LEVEL must be 'DEBUG', 'INFO', ")

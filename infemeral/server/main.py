@@ -31,7 +31,6 @@ def build_parser() -> argparse.ArgumentParser:
         prog="infemeral-server", description="Serve the rotated layers of a model to infemeral clients.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_settings_flags(parser, ServerSettings)
-    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR (default: INFO)")
     return parser
 
 
@@ -43,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         settings = settings_from_args(ServerSettings, args)
-        configure_logging(args.log_level, settings.log_format)
+        configure_logging(settings.log_level, settings.log_format)
         launch = torchrun_rank()
         if launch is not None and launch.rank > 0:  # torchrun started every rank: this one works for rank 0
             from infemeral.server.model_runner import resolve_device

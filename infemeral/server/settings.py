@@ -7,7 +7,7 @@ parts they need (`engine_config`, `app.service_limits`).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -90,6 +90,7 @@ class ServerSettings(BaseSettings):
     metrics_port: int = Field(9400, ge=0, description="Prometheus metrics port (0: off)")
     metrics_host: str = Field("127.0.0.1", description="address the metrics endpoint binds to")
     log_format: str = Field("text", description="text or json")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="least severe log lines shown")
 
     def limits_per_key(self, num_api_keys: int) -> tuple[int, float]:
         """(turns, share of the KV pool) one API key may hold, given how many keys the server accepts:

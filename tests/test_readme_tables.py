@@ -1,0 +1,27 @@
+"""The README's tables of settings name every flag there is, so a new setting cannot go undocumented."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from infemeral.server.main import build_parser
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def table_after(heading: str) -> str:
+    """The markdown table that follows `heading` in the README."""
+    text = README.read_text()
+    rows = text[text.index(heading):].split("\n\n", 2)[1]
+    assert rows.startswith("|"), rows[:80]
+    return rows
+
+
+def test_the_server_table_names_every_server_flag():
+    table = table_after("Every flag is also an `INFEMERAL_*` variable")
+    documented = {flag for flag in re.findall(r"`(--[a-z0-9-]+)`", table) if not flag.startswith("--no-")}
+    flags = {option for action in build_parser()._actions for option in action.option_strings
+             if option.startswith("--") and option not in ("--help",) and not option.startswith("--no-")}
+    assert flags - documented == set(), "flags missing from the README's server table"
+    assert documented - flags == set(), "the README's server table names flags the server does not have"
