@@ -25,3 +25,16 @@ def test_the_server_table_names_every_server_flag():
              if option.startswith("--") and option not in ("--help",) and not option.startswith("--no-")}
     assert flags - documented == set(), "flags missing from the README's server table"
     assert documented - flags == set(), "the README's server table names flags the server does not have"
+
+
+def test_the_int4_size_is_one_figure_from_the_benchmarks():
+    from infemeral.cli.main import INT4_OF_BF16, build_parser
+
+    benchmarks = (README.parent / "docs" / "benchmarks" / "server_quant.md").read_text()
+    measured = float(re.search(r"8b-shape: int4 server bundle [^|]*\| ([\d.]+)x", benchmarks).group(1))
+    assert INT4_OF_BF16 == f"{measured:.2f}x"
+    readme = README.read_text()
+    helps = build_parser().format_help() + build_parser()._subparsers._group_actions[0].choices["prepare"].format_help()
+    fig = INT4_OF_BF16.removesuffix("x")
+    assert f"int4  # ~{fig}x of bf16" in readme and f"int4 (g=64)\nbundle and resident weights are {fig}× of bf16" in readme
+    assert helps.count(f"~{fig}x") == 2, helps

@@ -34,7 +34,10 @@ ANSWER_SAMPLING = ("Without --temperature, answers are sampled as the model's ge
 ANSWER_DEFAULTS = {"temperature": "the model's, else 0.7", "top_p": "the model's, else 0.9",
                    "repetition_penalty": "the model's, else 1.1 (1 with --greedy)"}
 
-EPILOG = """\
+# int4 served layers against bf16: the 8B shape's server bundle, as docs/benchmarks/server_quant.md measures it
+INT4_OF_BF16 = "0.29x"
+
+EPILOG = f"""\
 first steps:
   infemeral-client prepare                       # split the packaged SmolLM2 into bundles
   infemeral-server --bundle ~/.local/share/infemeral/bundles/default/server &
@@ -42,7 +45,7 @@ first steps:
   infemeral-client chat --session work           # resumable chat
   infemeral-client audit "My SSN is 078-05-1120"  # what could the pod learn from this prompt?
   infemeral-client train-drafter                 # a draft head for the model: faster open chat over a WAN
-  infemeral-client prepare --server-quant int4   # served layers in int4 (~0.28x of bf16)
+  infemeral-client prepare --server-quant int4   # served layers in int4 (~{INT4_OF_BF16} of bf16)
   infemeral-client eval server-quant             # what that costs in perplexity and agreement
   infemeral-client serve                         # OpenAI-compatible API on http://127.0.0.1:8080/v1
 
@@ -94,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(a client bundle ~4x smaller than float32; it then always runs with int8 weights)")
     p.add_argument("--server-quant", default="none", choices=["none", "int8", "int4"],
                    help="store the served layers quantised: int8 (a scale per row, ~0.5x bf16) or int4 (groups of "
-                        "--group-size input columns, ~0.28x bf16 at 64); measure the cost on your model with "
+                        f"--group-size input columns, ~{INT4_OF_BF16} bf16 at 64); measure the cost on your model with "
                         "`infemeral-client eval server-quant`")
     p.add_argument("--group-size", type=int, default=None,
                    help="int4: input columns per scale and zero, 32, 64, 128 or 256 (default: 64)")
