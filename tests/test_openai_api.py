@@ -686,3 +686,26 @@ def test_endpoint_logs_carry_counts_not_text(endpoint, caplog):
     assert "chat completion:" in text and "prompt tokens" in text
     for payload in ("hunter2", reply.choices[0].message.content.strip()[:12], streamed.strip()[:12]):
         assert payload and payload not in text
+
+
+def test_serve_on_a_taken_port_is_one_line_before_anything_loads(capsys):
+    import socket
+
+    from infemeral.cli import main as cli
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code = cli.main(["serve", "--port", str(port), "--client-bundle", "/nonexistent"])
+    assert code == 2
+    assert capsys.readouterr().err == (f"infemeral-client: cannot listen on 127.0.0.1:{port}: address already in use "
+                                       "(pick another --port)\n")
+
+
+def test_an_open_address_is_advised_a_key_off_the_command_line(capsys):
+    from infemeral.cli import main as cli
+
+    assert cli.main(["serve", "--host", "0.0.0.0", "--client-bundle", "/nonexistent"]) == 2
+    err = capsys.readouterr().err
+    assert "INFEMERAL_SERVE_API_KEY" in err and "Set --api-key" not in err and err.count("\n") == 1

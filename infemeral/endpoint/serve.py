@@ -56,9 +56,23 @@ def check_exposure(host: str, api_key: str | None) -> None:
     if not api_key:
         raise InfemeralError(f"refusing to serve on {host} without --api-key: anyone who can reach that address "
                              "could read your conversations and use your session keys through this endpoint. "
-                             "Set --api-key KEY (or INFEMERAL_SERVE_API_KEY), or keep the default 127.0.0.1.")
+                             "Set the key in INFEMERAL_SERVE_API_KEY (not --api-key on the command line, where "
+                             "`ps` shows it to everyone on this machine), or keep the default 127.0.0.1.")
     print(f"WARNING: serving plain HTTP on {host}: the API key, prompts and answers cross the network "
           "unencrypted. Prefer 127.0.0.1 with an SSH tunnel, or put a TLS proxy in front.", file=sys.stderr)
+
+
+def check_port(host: str, port: int) -> None:
+    """Try the address before the client loads and the banner is printed, as the server does: uvicorn would
+    report a taken port only afterwards, as a raw errno."""
+    from infemeral.server.listen import CannotListen, ListenAddress, reason, try_bind
+
+    address = ListenAddress(host.strip("[]"), port)
+    for ip in address.resolve() if port else []:
+        try:
+            try_bind(ip, port)
+        except OSError as e:
+            raise CannotListen(f"cannot listen on {address}: {reason(e)} (pick another --port)") from None
 
 
 def check_server(client) -> None:
@@ -83,6 +97,7 @@ def serve(settings, open_client: Callable[[], object], sampling: Callable[[objec
     import uvicorn
 
     check_exposure(settings.host, settings.api_key)
+    check_port(settings.host, settings.port)
     hosts = allowed_hosts(settings.host, settings.allowed_hosts)
     check_hosts(settings.host, hosts)
     with open_client() as client:
