@@ -1,5 +1,5 @@
 """infemeral.audit on the default model: the attacks run on what the server really receives and keeps,
-they reach the figures of DESIGN.md §3, and each figure can fail."""
+they reach the figures of docs/design.md §3, and each figure can fail."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The laptop's half in other dtypes, on other devices and with int8 weights (DESIGN.md §10).
+"""The laptop's half in other dtypes, on other devices and with int8 weights (docs/design.md §10).
 
 float32 stays the exact default (tests/test_exactness.py); bfloat16, float16 and int8 are options
 whose agreement with float32 is measured here against thresholds set from measurements

@@ -1,4 +1,4 @@
-"""A shared pod faces misbehaving clients and a flaky store (DESIGN.md §11), and keeps serving.
+"""A shared pod faces misbehaving clients and a flaky store (docs/design.md §11), and keeps serving.
 
 Against real servers with the default model:
 - 100 streams that send nothing leave health checks, server info, a normal turn and a delete prompt;

@@ -1,4 +1,4 @@
-"""Tensor parallelism (DESIGN.md §14) on the CPU: gloo ranks in separate processes, the test process as rank 0.
+"""Tensor parallelism (docs/design.md §14) on the CPU: gloo ranks in separate processes, the test process as rank 0.
 
 The sharding itself is checked without processes (the ranks as threads summing their partial outputs);
 then 2 ranks serve tiny random Llama and Qwen2 models with even head counts, and 3 ranks the default model

@@ -1,4 +1,4 @@
-"""The split is exact on tiny random models of every supported family (DESIGN.md §1).
+"""The split is exact on tiny random models of every supported family (docs/design.md §1).
 
 Each model is built in memory from a small config, with every RMSNorm gain and
 every bias randomised (default init has gains of 1 and zero biases, which would
@@ -178,7 +178,7 @@ def test_split_greedy_generation_is_token_identical(tmp_path):
 # -- the test can fail: wrong schemes give wrong logits ----------------------------------------
 
 def test_rotating_activations_only_is_not_exact(tmp_path):
-    """DESIGN.md §1: the naive scheme (xQ through the unmodified layers) changes logits a lot."""
+    """docs/design.md §1: the naive scheme (xQ through the unmodified layers) changes logits a lot."""
     model = build(CONFIGS["llama-bias"]())
     client, _ = prepared(model, tmp_path)
     naive_server = plain_stack(model, first_layer=1)

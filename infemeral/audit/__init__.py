@@ -8,7 +8,7 @@ Every attack runs on exactly what the server would receive (see observed.py) and
 nothing the server would not have: norm matching (norm_matching.py), Gram linking
 (gram_linking.py), vocabulary matching after solving Q (procrustes.py,
 vocabulary_matching.py) and inversion of the first served layer's keys and values
-(kv_inversion.py). DESIGN.md §3 has the measurements these reproduce.
+(kv_inversion.py). docs/design.md §3 has the measurements these reproduce.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Norm matching: orthogonal Q keeps vector norms, so a state's norm can be looked up in the public embedding table.
 
-This is the leak of rotating raw embeddings (DESIGN.md §2): embedding rows have almost
+This is the leak of rotating raw embeddings (docs/design.md §2): embedding rows have almost
 all-distinct norms. It needs no weights beyond the embedding table and no knowledge of Q,
 and it is why the client runs the first decoder layer(s) before rotating.
 """

@@ -1,6 +1,6 @@
 """Solving the secret basis from the server bundle, for an operator who has the public weights.
 
-A layer that writes the residual stream is stored as W_rot = Qᵀ·W (DESIGN.md §1). Then
+A layer that writes the residual stream is stored as W_rot = Qᵀ·W (docs/design.md §1). Then
 W·W_rotᵀ = (W·Wᵀ)·Q, a symmetric positive definite matrix times Q, whose orthogonal polar
 factor is Q itself: the orthogonal Procrustes solution. o_proj needs no norm gains, so one
 matrix of the first served layer is enough. Singular values do not change under rotation,

@@ -1,7 +1,7 @@
 """The model's two halves during one turn: the laptop's layers here, the server's over the turn's stream.
 
 Every step runs through both and both caches move together: the window
-evicts at the same step on each side (DESIGN.md §5), and positions dropped
+evicts at the same step on each side (docs/design.md §5), and positions dropped
 here (rejected drafts, the tail of an answer) are dropped on the server by a
 `Truncate` sent in the same flight as the next message, so a rejection costs
 no extra round trip. Before the turn first drops or moves committed positions,

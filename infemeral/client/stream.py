@@ -1,4 +1,4 @@
-"""A turn's gRPC stream (DESIGN.md §4: one bidirectional Turn RPC per turn), and opening it with retries.
+"""A turn's gRPC stream (docs/design.md §4: one bidirectional Turn RPC per turn), and opening it with retries.
 
 Opening a turn is retried while the server answers RESOURCE_EXHAUSTED with a
 `retry-after-ms` hint, within the client's timeout: nothing has been sent

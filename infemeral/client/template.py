@@ -1,4 +1,4 @@
-"""A transcript as token ids, with control tokens only where the chat template puts them (DESIGN.md §12).
+"""A transcript as token ids, with control tokens only where the chat template puts them (docs/design.md §12).
 
 Message content is text. Rendering a transcript and tokenizing the rendered
 string as a whole — what `apply_chat_template(tokenize=True)` does — turns a

@@ -1,6 +1,6 @@
 """One turn of a session, in phases: open, rewind, prefill, decode (draft → verify → accept), commit.
 
-A turn is one bidirectional gRPC stream (DESIGN.md §4). `TurnLoop` is that
+A turn is one bidirectional gRPC stream (docs/design.md §4). `TurnLoop` is that
 turn on the client, shared by everything that generates (the chat SDK, the
 CLI, raw completion, the OpenAI endpoint):
 
@@ -17,7 +17,7 @@ commit whose reply was lost is kept as a `PendingCommit` for the next turn to
 settle.
 
 Decoding sends the last sampled token plus up to k drafted tokens per step and
-asks for all their outputs (DESIGN.md §9): one round trip verifies the drafts,
+asks for all their outputs (docs/design.md §9): one round trip verifies the drafts,
 the longest agreeing prefix is kept (`accept_drafts`), and the rejected
 positions are dropped from both caches. The `Speculator` chooses the drafts
 and learns from each step; the stream, the caches and the window are `Halves`'.

@@ -4,7 +4,7 @@ For a pre-norm layer and hidden states x in the secret basis (x' = x Q):
   * weights that read the residual stream (q, k, v, gate, up) become W·diag(γ)·Q,
   * weights that write it (o, down) become Qᵀ·W and their bias b·Q,
   * the norms keep their eps but lose their gain (γ = 1), because rms(xQ) = rms(x).
-Then the layer computes f(xQ) = f(x)Q exactly (DESIGN.md §1). All arithmetic is
+Then the layer computes f(xQ) = f(x)Q exactly (docs/design.md §1). All arithmetic is
 done in float64 and cast once, tensor by tensor (so only one float64 matrix
 is alive at a time: a big layer's float64 copy would be 4x its bf16 size).
 """

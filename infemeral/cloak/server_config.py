@@ -6,7 +6,7 @@ tokens, and the library version that wrote it. None of that is needed to run
 decoder layers on hidden states, and all of it helps whoever reads the pod's
 volume to name the model. So the server config keeps only the fields the
 supported layer classes, their rotary embedding and the engine read. (The
-weights' singular values still identify a public model: README, DESIGN.md §3.)
+weights' singular values still identify a public model: README, docs/design.md §3.)
 """
 
 from __future__ import annotations

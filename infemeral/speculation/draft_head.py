@@ -1,6 +1,6 @@
 """A draft head on the laptop (EAGLE-style): drafts from the model's own top-layer feature.
 
-The laptop already holds what such a head needs (DESIGN.md §9): the feature of
+The laptop already holds what such a head needs (docs/design.md §9): the feature of
 every verified position (the server's final residual, un-rotated and passed
 through the final norm — exactly what the LM head reads), its own embedding
 table and its own LM head. The head itself is one decoder layer:

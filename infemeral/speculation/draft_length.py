@@ -1,4 +1,4 @@
-"""How many drafts the next step should carry (DESIGN.md §9).
+"""How many drafts the next step should carry (docs/design.md §9).
 
 The draft length k adapts: it weighs the measured acceptance of recent drafts
 against the measured cost of extra positions in a step (`StepCost`), and drops

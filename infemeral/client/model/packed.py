@@ -2,7 +2,7 @@
 
 A decode step multiplies one row by every weight the laptop holds, so its cost is how fast the
 kernel streams those weights. On an x86 CPU with bf16 instructions, torch's plain bf16 matmul does
-not stream faster than float32 does (DESIGN.md §10's gain does not appear); torch's own oneDNN
+not stream faster than float32 does (docs/design.md §10's gain does not appear); torch's own oneDNN
 linear with the weight reordered once into oneDNN's blocked layout (`mkldnn._reorder_linear_weight`,
 what inductor's freezing uses) does, and its cost hardly grows with the number of rows, which is
 what verifying drafts needs. Float32 is never packed: it stays the exactness reference, the same

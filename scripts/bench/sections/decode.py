@@ -2,7 +2,7 @@
 
 Greedy, exactly `decode_tokens` new tokens on both sides (plain: `generate(min_new_tokens=max_new_tokens)`;
 split: `Session.chat` with end-of-sequence ignored), alternating runs after a warm-up, medians reported.
-In float32 the split system must produce plain's tokens exactly (DESIGN.md §1).
+In float32 the split system must produce plain's tokens exactly (docs/design.md §1).
 """
 
 from __future__ import annotations

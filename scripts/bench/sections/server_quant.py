@@ -6,7 +6,7 @@ run in-process through the layers' real kernels in float32 activations: perplexi
 where the system has it at /usr/share/common-licenses/GPL-3; neither is calibrated on), and greedy agreement
 with the float32 split (its greedy continuations of chat prompts, teacher-forced through each mode: top-1 over
 every position, and the first divergence). The plain float32 model stands in for the float32 split, which matches it
-token for token (DESIGN.md §1). The baseline the issue measured — the plain model's own layers (norm gains
+token for token (docs/design.md §1). The baseline the issue measured — the plain model's own layers (norm gains
 apart) round-to-nearest symmetric int4 in groups of 32 — is measured in the same run (infemeral/eval/server_quant.py).
 
 Bytes and memory: each mode's server bundle on disk, and the weights the served layers hold once loaded for

@@ -1,4 +1,4 @@
-"""Speculation: decode speed with and without speculative decoding, over an emulated WAN (DESIGN.md §9).
+"""Speculation: decode speed with and without speculative decoding, over an emulated WAN (docs/design.md §9).
 
 The client reaches the in-process server through `scripts/delay_proxy.py`, which delays each direction
 by half the round trip (0, 20 and 80 ms RTT). Four workloads of five prompts each (`bench/workloads.py`):
