@@ -112,3 +112,15 @@ def test_the_server_log_level_is_a_setting_with_its_variable(capsys, monkeypatch
     monkeypatch.setenv("INFEMERAL_LOG_LEVEL", "LOUD")
     assert server_main(["--bundle", str(tmp_path)]) == 2
     assert capsys.readouterr().err.startswith("infemeral-server: INFEMERAL_LOG_LEVEL must be 'DEBUG', 'INFO', ")
+
+
+@pytest.mark.parametrize("finish, round_trips", [("eos", 11), ("length", 10), ("stop", 10)])
+def test_without_speculation_verbose_says_one_token_per_round_trip(capsys, finish, round_trips):
+    from infemeral.cli.commands import _report
+    from infemeral.client.result import TurnResult
+
+    # 10 tokens without drafts: a round trip each (the prompt's brings the first), and one more for an
+    # end-of-sequence token, which the answer leaves out
+    result = TurnResult(prompt_tokens=5, generated_tokens=10, round_trips=round_trips, finish_reason=finish)
+    _report(result, verbose=True)
+    assert "1.00 tokens per round trip" in capsys.readouterr().err
