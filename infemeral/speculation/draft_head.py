@@ -9,32 +9,10 @@ table and its own LM head. The head itself is one decoder layer:
     h_i = layer(x_i | x_{<i})                        over the head's own small KV cache
     h_i ≈ f_{i+1};  LM head(h_i) drafts t_{i+2}
 
-so from the feature of the last verified position and the token sampled from it, the
-head predicts the next feature, the LM head turns it into a draft token, and the head
-continues from its own prediction for as many drafts as the step carries. Verification
-is the model's own (`acceptance.accept_drafts`): greedy output stays token-identical and
-sampling keeps the target distribution whatever the head proposes.
-
-The layout is the public EAGLE / EAGLE-2 checkpoint's (e.g. the heads published for
-Llama-3-Instruct and Qwen2), so those heads load as they are:
-
-  config.json   a one-layer Llama or Qwen2 config of the target's hidden size and vocabulary
-  weights       model.safetensors or pytorch_model.bin: `fc.weight` [d, 2d] (and `fc.bias` where the
-                head has one), `layers.0.*` of one decoder layer whose `input_layernorm` is absent (fc's
-                output goes into attention as it is), optionally `embed_tokens.weight` (the target's own
-                table: used here only to check that the head belongs to this model)
-
-The input is concat(embedding, feature) in that order, and the feature is the top layer's
-output *after* the final norm, as in EAGLE's reference code (`torch.cat((inputs_embeds,
-hidden_states), -1)`, features taken from the base model's normed output, drafts read by
-the base LM head with no further norm). Heads trained here (`train_head.py`) use the same
-convention and add, in the EAGLE-3 manner, a reduced draft vocabulary: `d2t` maps each
-draft-vocabulary id to its target id (as an offset, target = draft + d2t[draft]) and `t2d`
-marks those target ids; drafting then multiplies by only those rows of the LM head, which
-is most of a draft token's cost on a laptop. They also keep `target_probe.ids` /
-`target_probe.weight`, a few rows of the target's embedding, so that a head trained for
-another model of the same shape is refused too. EAGLE-3 heads (fc over three layers'
-features, `midlayer.*`) need features the laptop never sees and are refused.
+and it continues from its own prediction for as many drafts as the step carries.
+Verification is the model's own (`acceptance.accept_drafts`), so greedy output stays
+token-identical and sampling keeps the target distribution whatever the head proposes.
+Public EAGLE / EAGLE-2 heads load as they are (the layout: above `read_checkpoint`).
 
 A `DraftHead` holds the weights, shared and only read; every session drafts through its own
 `HeadDrafter` (`fork()`), with a KV cache and a window of recent features of its own.
@@ -200,6 +178,26 @@ class _PassKeys:
 
 
 # -- reading and writing the layout ---------------------------------------------------------------------
+
+# The public EAGLE / EAGLE-2 checkpoint's layout (e.g. the heads published for Llama-3-Instruct and Qwen2):
+#
+#   config.json   a one-layer Llama or Qwen2 config of the target's hidden size and vocabulary
+#   weights       model.safetensors or pytorch_model.bin: `fc.weight` [d, 2d] (and `fc.bias` where the
+#                 head has one), `layers.0.*` of one decoder layer whose `input_layernorm` is absent (fc's
+#                 output goes into attention as it is), optionally `embed_tokens.weight` (the target's own
+#                 table: used here only to check that the head belongs to this model)
+#
+# The input is concat(embedding, feature) in that order, and the feature is the top layer's output *after*
+# the final norm, as in EAGLE's reference code (`torch.cat((inputs_embeds, hidden_states), -1)`, features
+# taken from the base model's normed output, drafts read by the base LM head with no further norm). Heads
+# trained here (`train_head.py`) use the same convention and add, in the EAGLE-3 manner, a reduced draft
+# vocabulary: `d2t` maps each draft-vocabulary id to its target id (as an offset, target = draft +
+# d2t[draft]) and `t2d` marks those target ids; drafting then multiplies by only those rows of the LM
+# head, which is most of a draft token's cost on a laptop. They also keep `target_probe.ids` /
+# `target_probe.weight`, a few rows of the target's embedding, so that a head trained for another model of
+# the same shape is refused too. EAGLE-3 heads (fc over three layers' features, `midlayer.*`) need
+# features the laptop never sees and are refused.
+
 
 def read_checkpoint(path: str | Path) -> tuple[PretrainedConfig, dict, dict[str, torch.Tensor]]:
     """(config, the raw config.json, tensors) of a head directory in the public EAGLE layout."""

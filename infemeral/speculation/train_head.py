@@ -19,9 +19,8 @@ rows of the LM head. The answers are cached (`cache_dir`), so training again
 with other settings does not ask the model again.
 
 Answers are generated in float32 on a CPU unless it computes bfloat16 natively (AVX-512 BF16 / AMX): on
-one without, bfloat16 is emulated and slower (a step of 32 answers of the default model: 0.21 s in
-float32 against 0.66 s in bfloat16 on a 2-core AVX2 machine), and float32 features and answers are exactly
-the ones the float32 laptop drafts from. In batches of 64 answers a 2-core AVX2 CPU answers ~150 tokens/s.
+one without, bfloat16 is emulated and slower, and float32 features and answers are exactly the ones the
+float32 laptop drafts from (measured: docs/benchmarks/train_head.md).
 
 Training time is a budget (`minutes`): the learning rate follows a cosine over
 it, so a run ends on time with a finished schedule whatever the machine's speed. It ends with a held-out
