@@ -14,7 +14,7 @@ MAX_BODY_BYTES = 4 * 2**20
 
 
 class RequestGuard:
-    """What every request passes before a route sees it (DESIGN.md §12): it is addressed to an allowed host
+    """What every request passes before a route sees it (docs/design.md §12): it is addressed to an allowed host
     name, and its body fits the cap.
 
     A loopback endpoint without a key is still reachable from any web page the user opens: the page points

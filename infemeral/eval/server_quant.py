@@ -11,7 +11,7 @@ Two measurements:
   Methods: round-to-nearest symmetric (`rtn-sym`, the textbook baseline) and asymmetric (`rtn`), HQQ
   (data-free), GPTQ (calibrated on the chat text of infemeral/quant/calibration_text.py).
 * `bundle`: a user's own client and server bundle (quantised or not) against the plain model in float32,
-  which the float32 split matches token for token (DESIGN.md §1), through the real kernels.
+  which the float32 split matches token for token (docs/design.md §1), through the real kernels.
 
 Perplexity is over held text (default: tests/data/kjv_genesis_37-40.txt, never calibrated on), scored
 in chunks with dense attention. Agreement: float32 greedy continuations of chat prompts, teacher-forced
@@ -46,7 +46,7 @@ from infemeral.quant.calibration import Calibration, calibration_ids
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_TEXT = REPO / "tests" / "data" / "kjv_genesis_37-40.txt"
-# The text the first measurements used (DESIGN.md §13): the GPL-3 licence as Debian and Ubuntu install it.
+# The text the first measurements used (docs/design.md §13): the GPL-3 licence as Debian and Ubuntu install it.
 # Not copied into this repository (it would read as a licence of the project); used where the system has it.
 GPL3_TEXT = Path("/usr/share/common-licenses/GPL-3")
 DEFAULT_DOC = REPO / "docs" / "server_quant.md"

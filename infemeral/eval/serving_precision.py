@@ -1,7 +1,7 @@
 """How closely the split system serving in bfloat16/float16 follows plain transformers in the same dtype.
 
 In bfloat16 or float16 the rotated weights round differently from the plain ones, so greedy outputs
-may part ways at near-ties (DESIGN.md §1). This measures that without letting one early divergence
+may part ways at near-ties (docs/design.md §1). This measures that without letting one early divergence
 spoil the rest: the split system's own greedy tokens are teacher-forced through the plain model, and
 at every position the plain model's top-1 is compared with the token the split system chose.
 

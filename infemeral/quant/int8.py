@@ -2,7 +2,7 @@
 
 Shared by the laptop's half (its LM head, token table and local layers) and the server's layers. Per
 decode token the laptop reads every weight of its LM head and local layers once; at a real vocabulary
-(128,256 rows) that read is the client's cost (DESIGN.md §10). Int8 codes with a scale per
+(128,256 rows) that read is the client's cost (docs/design.md §10). Int8 codes with a scale per
 output row halve the read against bf16 and quarter it against fp32. The matmul is torch's
 `aten._weight_int8pack_mm` (activations in the compute dtype, int8 weights [N, K], scales [N]), fast on
 x86 CPUs with bf16 activations. Its CUDA version uses no tensor cores and reads the whole weight again for

@@ -1,7 +1,7 @@
 """Quantised served layers: the scheme a server bundle records, how a layer is quantised, how it is run.
 
 The pod's layers are folded and rotated (W·diag(γ)·Q for the readers of the residual stream, Qᵀ·W for
-its writers, DESIGN.md §1) before they are quantised; every linear of a served layer is quantised, the
+its writers, docs/design.md §1) before they are quantised; every linear of a served layer is quantised, the
 gain-free norms and any biases stay in the bundle's dtype. Schemes:
 
 * `int8`: one scale per output row, symmetric (int8.py; `aten._weight_int8pack_mm`);
