@@ -115,7 +115,7 @@ def test_auto_finds_the_draft_head_train_drafter_wrote_beside_the_bundle(tmp_pat
 def test_info_reports_matching_bundle(cli_env):
     proc = run_cli("info", env=cli_env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert '"hidden_size": 576' in proc.stdout
+    assert "hidden size 576" in proc.stdout
     assert "matches server bundle: yes" in proc.stdout and "laptop half" not in proc.stdout  # no model loaded
     proc = run_cli("info", "--laptop-half", env=cli_env)
     assert "laptop half: float32 on " in proc.stdout and "float32 weights" in proc.stdout  # the exact default

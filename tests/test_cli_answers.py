@@ -191,13 +191,19 @@ def test_answers_sample_by_default_and_greedy_is_one_flag_away(monkeypatch, serv
     assert cli.main(base + ["--greedy", "--temperature", "0.5"]) == 2
 
 
-def test_info_prints_numbers_as_numbers(capsys, server, bundles):
+def test_info_is_a_summary_for_people_and_json_for_scripts(capsys, server, bundles):
     import json
 
-    assert cli.main(["info", "--server", f"127.0.0.1:{server.port}", "--client-bundle", str(bundles.client_dir)]) == 0
-    out = capsys.readouterr().out
-    fields = json.loads(out[:out.rindex("}") + 1])
+    base = ["info", "--server", f"127.0.0.1:{server.port}", "--client-bundle", str(bundles.client_dir)]
+    assert cli.main(base) == 0
+    text = capsys.readouterr().out
+    assert text.startswith(f"server 127.0.0.1:{server.port}: infemeral ") and "{" not in text
+    assert f"context: {server.settings.max_context} tokens" in text
+    assert text.endswith("client bundle matches server bundle: yes\n")
+    assert cli.main(base + ["--json"]) == 0
+    fields = json.loads(capsys.readouterr().out)  # the whole output: numbers as numbers
     assert fields["max_context"] == server.settings.max_context and isinstance(fields["max_message_bytes"], int)
+    assert fields["client_bundle_matches"] is True
 
 
 def test_a_chat_that_cannot_delete_its_conversation_says_so(capsys, bundles, tmp_path):

@@ -218,24 +218,51 @@ def serve(args) -> int:
 
 
 def info(args) -> int:
-    from google.protobuf import json_format
-
     from infemeral.client.server_link import ServerLink
 
     settings = settings_from_args(ClientSettings, args)
     with ServerLink.from_settings(settings) as link:  # no torch, no model: the server's answer at once
         info = link.server_info()
-        fields = json_format.MessageToDict(info, preserving_proto_field_name=True,
-                                           always_print_fields_with_no_presence=True)
-        for field in info.DESCRIPTOR.fields:  # proto3 JSON writes 64-bit integers as strings; these are counts
-            if field.cpp_type in (field.CPPTYPE_INT64, field.CPPTYPE_UINT64):
-                fields[field.name] = int(fields[field.name])
-        print(json.dumps(fields, indent=2))
         match = info.bundle_fingerprint == link.server_fingerprint
-        print(f"client bundle matches server bundle: {'yes' if match else 'NO'}")
+        if args.json:
+            print(json.dumps(dict(_info_fields(info), client_bundle_matches=match), indent=2))
+        else:
+            print(describe_server_info(info, settings.server))
+            print(f"client bundle matches server bundle: {'yes' if match else 'NO'}")
     if args.laptop_half:
         _describe_laptop_half(settings)
     return 0 if match else 1
+
+
+def _info_fields(info) -> dict:
+    """The server's info as JSON fields, counts as numbers (proto3 JSON writes 64-bit integers as strings)."""
+    from google.protobuf import json_format
+
+    fields = json_format.MessageToDict(info, preserving_proto_field_name=True,
+                                       always_print_fields_with_no_presence=True)
+    for field in info.DESCRIPTOR.fields:
+        if field.cpp_type in (field.CPPTYPE_INT64, field.CPPTYPE_UINT64):
+            fields[field.name] = int(fields[field.name])
+    return fields
+
+
+def describe_server_info(info, address: str) -> str:
+    """What `info` prints for a person: what the server serves and the limits a client meets."""
+    last = info.first_layer + info.num_layers - 1
+    window = (f"a window slides over longer conversations (keeping the first {info.sink_tokens} tokens, evicting "
+              f"pages of {info.page_size})" if info.window else "longer conversations are refused")
+    idle = (f"a turn idle {info.turn_idle_seconds:g} s or open {info.max_turn_seconds:g} s is aborted"
+            if info.turn_idle_seconds else "no idle limit on turns")
+    return "\n".join([
+        f"server {address}: infemeral {info.server_version or '?'}, protocol {info.protocol_version}",
+        f"  model: {info.model_type}, hidden size {info.hidden_size}, layers {info.first_layer}-{last} of "
+        f"{info.total_layers} served (the laptop runs the ones before)",
+        f"  computes in {info.dtype} on {info.device}",
+        f"  context: {info.max_context} tokens; {window}",
+        f"  steps of at most {info.max_step_tokens} tokens, messages of at most "
+        f"{info.max_message_bytes / 2**20:g} MiB; {idle}",
+        f"  server bundle fingerprint: {info.bundle_fingerprint}",
+    ])
 
 
 def _describe_laptop_half(settings: ClientSettings) -> None:

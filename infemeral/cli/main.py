@@ -160,6 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     _local_compute(i)
 
     f = sub.add_parser("forget-answers", help="clear the answer index (earlier answers kept for drafting)",
+    i.add_argument("--json", action="store_true",
+                   help="print the server's info as JSON (with client_bundle_matches), for scripts")
                        description="Delete the answer index: the token ids of earlier answers this client keeps "
                                    "on this machine to draft from (see --answer-index). A chat or serve running now "
                                    "forgets them too. Turn it off for good with --no-answer-index or "
