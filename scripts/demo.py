@@ -33,9 +33,13 @@ def free_port() -> int:
 
 
 def main() -> int:
-    if not (BUNDLES / "server" / "manifest.json").exists() or not (BUNDLES / "client" / "manifest.json").exists():
-        print(f"==> infemeral-client prepare   # the packaged model, once, into {shown(BUNDLES)}", flush=True)
-        subprocess.run([BIN / "infemeral-client", "prepare"], check=True)
+    halves = [(BUNDLES / half / "manifest.json").exists() for half in ("server", "client")]
+    if not all(halves):
+        # half a pair (a prepare cut short) is of no use, and prepare refuses to replace it without --force
+        force = ["--force"] if any(halves) else []
+        print(f"==> infemeral-client prepare {' '.join(force)}  # the packaged model, once, into {shown(BUNDLES)}",
+              flush=True)
+        subprocess.run([BIN / "infemeral-client", "prepare", *force], check=True)
     else:
         source = json.loads((BUNDLES / "client" / "manifest.json").read_text()).get("source", "?")
         print(f"==> using the bundles in {shown(BUNDLES)} (prepared from {Path(source).name})", flush=True)

@@ -238,9 +238,29 @@ def test_unknown_dtype_rejected(tmp_path):
         do_prepare(tmp_path, dtype="float8")
 
 
-def test_prepare_replaces_existing_bundles(tmp_path):
+def tree_bytes(root) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_prepare_refuses_to_overwrite_bundles_and_says_what_that_would_lose(tmp_path):
     first = do_prepare(tmp_path)
-    second = do_prepare(tmp_path)
+    before = tree_bytes(tmp_path)
+    with pytest.raises(FileExistsError, match="already hold bundles") as refused:
+        do_prepare(tmp_path)
+    message = str(refused.value)
+    assert "sessions stored under the old one become unreadable" in message and "--force" in message
+    assert "will refuse the new client bundle" in message
+    assert tree_bytes(tmp_path) == before  # untouched, byte for byte, and no temporary directory left
+    assert ClientBundle.open(first.client_dir).server_fingerprint == first.fingerprint
+    # either bundle alone is enough to refuse (a server bundle written elsewhere keeps the same basis)
+    with pytest.raises(FileExistsError, match="holds a bundle"):
+        do_prepare(tmp_path / "elsewhere", client_dir=tmp_path / "client")
+    assert not (tmp_path / "elsewhere" / "server").exists()
+
+
+def test_prepare_replaces_existing_bundles_with_force(tmp_path):
+    first = do_prepare(tmp_path)
+    second = do_prepare(tmp_path, force=True)
     assert first.fingerprint != second.fingerprint
     assert ServerBundle.open(second.server_dir).fingerprint == second.fingerprint
     assert ClientBundle.open(second.client_dir).server_fingerprint == second.fingerprint
@@ -257,6 +277,72 @@ def test_prepare_says_what_it_is_doing_at_every_stage(tmp_path, capsys):
               "moving both bundles into place..."]
     at = [err.find(stage) for stage in stages]
     assert -1 not in at and at == sorted(at), err
-    prepare(output=tmp_path, source=ModelSource(tiny_model(), tiny_tokenizer(), "a tiny Llama"), progress=False)
+    prepare(output=tmp_path, source=ModelSource(tiny_model(), tiny_tokenizer(), "a tiny Llama"), progress=False,
+            force=True)
     quiet = capsys.readouterr().err
     assert not any(stage in quiet for stage in stages), quiet
+
+
+# -- the closing agreement check of quantised bundles ----------------------------------------------------------
+
+def character_tokenizer():
+    """One token per printable character, so the held English text becomes varied ids (not one <unk> after another)."""
+    import string
+
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{c: i + 3 for i, c in enumerate(string.printable)}}
+    assert len(vocab) <= VOCAB
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE(vocab, [], unk_token="<unk>")),
+                                   unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+@torch.inference_mode()
+def test_quantized_prepare_records_the_agreement_a_bundle_split_measures(tmp_path):
+    """What prepare records is what the written bundles give on the held text: the float model's top-1 against the
+    client bundle and the quantised server bundle through their kernels, teacher-forced."""
+    from infemeral.eval.server_quant import BundleSplit
+    from infemeral.quant.calibration import held_ids
+
+    model, tokenizer = tiny_model(), character_tokenizer()
+    b = do_prepare(tmp_path, model, tokenizer=tokenizer, server_quant="int4", quant_method="rtn", group_size=32)
+    recorded = ClientBundle.open(b.client_dir).manifest["server_quant_agreement"]
+    assert recorded == b.agreement.to_manifest() and b.agreement.positions > 100
+    split, matches, first = BundleSplit(b.client_dir, b.server_dir), 0, []
+    for ids in held_ids(tokenizer, 256):
+        want = model(torch.tensor([ids])).logits[0].argmax(-1)
+        got = split.logits(ids, split.new_cache()).argmax(-1)
+        matches += int((want == got).sum())
+        first += [int((want != got).nonzero()[0])] if bool((want != got).any()) else []
+    assert abs(b.agreement.top1_matches - matches) <= 1  # an argmax tie may fall either way in other rounding
+    assert b.agreement.top1_matches < b.agreement.positions and b.agreement.first_divergence == min(first)
+
+
+def test_agreement_check_is_skipped_unquantized_or_when_asked(tmp_path):
+    plain = do_prepare(tmp_path / "plain", tokenizer=tiny_tokenizer())
+    unchecked = do_prepare(tmp_path / "unchecked", tokenizer=tiny_tokenizer(), server_quant="int8", agreement_check=False)
+    for b in (plain, unchecked):
+        assert b.agreement is None and "server_quant_agreement" not in ClientBundle.open(b.client_dir).manifest
+
+
+def test_poor_agreement_warns_with_the_fix(tmp_path, caplog, monkeypatch):
+    from infemeral.quant import agreement
+
+    poor, fine = agreement.Agreement(200, 160, 0), agreement.Agreement(200, 199, 57)
+    assert agreement.advice(fine, "int8", None) is None
+    advice = agreement.advice(poor, "int4", 64)
+    assert "80%" in advice and "--server-quant int8" in advice and "--group-size (32)" in advice
+    assert "--quant-method" in advice
+    monkeypatch.setattr(agreement, "POOR_TOP1_RATE", 1.01)  # every bundle is poor: prepare must say so
+    with caplog.at_level("WARNING", logger="infemeral.cloak.prepare"):
+        do_prepare(tmp_path, tokenizer=tiny_tokenizer(), server_quant="int8")
+    assert "--server-quant int8" in caplog.text and "held positions" in caplog.text
+
+
+def test_int8_rounds_to_nearest_by_default_so_needs_no_calibration(tmp_path):
+    """int8 by round-to-nearest unless asked: no tokenizer, no calibration text, and the manifest says rtn."""
+    b = do_prepare(tmp_path, server_quant="int8")  # no tokenizer: gptq would refuse
+    assert ServerBundle.open(b.server_dir).manifest["server_quant"]["method"] == "rtn"
+    with pytest.raises(ValueError, match="tokenizer"):
+        do_prepare(tmp_path / "gptq", server_quant="int8", quant_method="gptq")

@@ -40,10 +40,13 @@ def prepare(args) -> int:
     result = prepare_bundles(None if args.model == "default" else args.model, output, client_dir=args.client_dir,
                      server_dir=args.server_dir, client_layers=args.client_layers, dtype=args.dtype,
                      progress=not args.quiet, client_quant=args.client_quant, server_quant=args.server_quant,
-                     group_size=args.group_size, quant_method=args.quant_method)
+                     group_size=args.group_size, quant_method=args.quant_method, force=args.force,
+                     agreement_check=not args.no_agreement_check)
     print(f"client bundle (keep private): {result.client_dir}")
     print(f"server bundle (upload to the pod): {result.server_dir}")
     print(f"server fingerprint: {result.fingerprint}")
+    if result.agreement is not None:
+        print(f"quantized served layers against float32 on held text: {result.agreement.describe()}")
     return 0
 
 

@@ -103,7 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="int4: input columns per scale and zero, 32, 64, 128 or 256 (default: 64)")
     p.add_argument("--quant-method", default=None, choices=["rtn", "hqq", "gptq"],
                    help="how codes are chosen: rtn (round to nearest), hqq (data-free fit, int4 only; needs "
-                        "infemeral[quant]) or gptq (calibrated here on a few thousand tokens of chat text; default)")
+                        "infemeral[quant]) or gptq (calibrated here on a few thousand tokens of chat text); default: rtn for "
+                        "int8, gptq for int4")
+    p.add_argument("--no-agreement-check", action="store_true",
+                   help="quantized served layers: skip the closing check of how often the bundle's next token agrees "
+                        "with float32's (a few seconds; the default model's)")
+    p.add_argument("--force", action="store_true",
+                   help="replace existing bundles: a new secret basis, so sessions stored under the old one become "
+                        "unreadable and a server serving the old server bundle refuses the new client bundle")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
     g = sub.add_parser("generate", help="answer one prompt, streaming the text",

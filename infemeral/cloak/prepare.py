@@ -31,7 +31,8 @@ from infemeral.cloak.rotate import rotate_layer
 from infemeral.cloak.server_config import write_server_config
 from infemeral.cloak.sources import WeightSource, layer_tensors, open_source
 from infemeral.quant import served
-from infemeral.quant.calibration import Calibration, calibration_ids
+from infemeral.quant.agreement import HELD_POSITIONS, Agreement, HeldCheck, advice
+from infemeral.quant.calibration import Calibration, calibration_ids, held_ids
 from infemeral.quant.int8 import QUANT_MODES, SCALE_SUFFIX, quantize_layer, quantize_rows
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,7 @@ class PreparedBundles:
     client_dir: Path
     server_dir: Path
     fingerprint: str
+    agreement: Agreement | None = None  # quantised served layers against float32 on held text (None: not checked)
 
 
 def prepare(model: str | Path | None = None, output: str | Path = "bundles", *,
@@ -50,7 +52,8 @@ def prepare(model: str | Path | None = None, output: str | Path = "bundles", *,
             source: WeightSource | None = None, basis_seed: bytes | None = None,
             client_quant: str = "none", server_quant: str = "none", group_size: int | None = None,
             quant_method: str | None = None, calibration_tokens: int | None = None,
-            int8_linears: tuple[str, ...] | None = None) -> PreparedBundles:
+            int8_linears: tuple[str, ...] | None = None, force: bool = False,
+            agreement_check: bool = True) -> PreparedBundles:
     """Prepare bundles from `model` (None for the packaged SmolLM2, a directory, Hub id or .gguf).
 
     Writes `<output>/client` (owner-only, keep it private) and `<output>/server`
@@ -62,6 +65,9 @@ def prepare(model: str | Path | None = None, output: str | Path = "bundles", *,
     `group_size` input columns), by `quant_method` (rtn, hqq or gptq; default in
     infemeral/quant/served.py); gptq calibrates on up to `calibration_tokens` tokens of chat text.
     int4 keeps `int8_linears` in int8 (default: k_proj and v_proj; `()` for none).
+    Quantised served layers end with `agreement_check`: how often they pick float32's next token on held text
+    (recorded in the client manifest, a warning with the fix when poor; quant/agreement.py).
+    An existing bundle in either place is refused unless `force` (a new basis orphans what the old one served).
     """
     if dtype not in B.DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(B.DTYPES)}, got {dtype!r}")
@@ -72,6 +78,8 @@ def prepare(model: str | Path | None = None, output: str | Path = "bundles", *,
     client_dir = Path(client_dir).expanduser() if client_dir else output / "client"
     server_dir = Path(server_dir).expanduser() if server_dir else output / "server"
     quant = served.ServerQuant(server_quant, quant_method, group_size, int8_linears)
+    if not force:
+        _refuse_to_overwrite(client_dir, server_dir)
     say = _stages(progress)
     say(f"reading {source.description if source else model or 'the packaged SmolLM2-135M-Instruct'}")
     source = source or open_source(model)
@@ -96,6 +104,8 @@ def prepare(model: str | Path | None = None, output: str | Path = "bundles", *,
         if quant.needs_calibration:
             say("embedding the calibration text")
             calibration = _calibration(source, config, taken, calibration_tokens)
+            calibration.progress = progress  # a bar over each layer's calibration passes, beneath the layer bar
+        check = _held_check(source, config, taken) if quant.is_quantized and agreement_check else None
         bar = tqdm(range(total), desc="preparing layers", unit="layer", disable=not progress)
         client_tensors: dict[str, torch.Tensor] = {}
         for i in bar:
@@ -104,9 +114,9 @@ def prepare(model: str | Path | None = None, output: str | Path = "bundles", *,
                 raise ValueError(f"{source.description} has no tensors for decoder layer {i}")
             if i < client_layers:
                 if calibration is not None:
-            calibration.progress = progress  # a bar over each layer's calibration passes, beneath the layer bar
-        check = _held_check(source, config, taken) if quant.is_quantized and agreement_check else None
                     calibration.advance(i, {k: v.to(torch.float32) for k, v in weights.items()})
+                if check is not None:
+                    check.client_layer(i, {k: v.to(torch.float32) for k, v in weights.items()})
                 weights = {k: v.to(torch_dtype).contiguous() for k, v in weights.items()}
                 if client_quant == "int8":
                     weights = quantize_layer(weights)
@@ -116,7 +126,7 @@ def prepare(model: str | Path | None = None, output: str | Path = "bundles", *,
                 calibration.rotate(basis)  # the client sends hidden @ Q
             name = B.layer_file(i)
             if quant.is_quantized:
-                tensors = _quantized_layer(i, weights, q64, quant, calibration, torch_dtype)
+                tensors = _quantized_layer(i, weights, q64, quant, calibration, check, torch_dtype)
             else:
                 tensors = rotate_layer(weights, q64, torch_dtype)
             save_file(tensors, str(server_tmp / name))
@@ -127,14 +137,20 @@ def prepare(model: str | Path | None = None, output: str | Path = "bundles", *,
         tables = {"embed_tokens": "model.embed_tokens.weight"}
         if not getattr(config, "tie_word_embeddings", False) and source.has("lm_head.weight"):
             tables["lm_head"] = "lm_head.weight"
+        final_norm = source.take("model.norm.weight")
+        agreement = None
         for name, source_name in tables.items():
-            table = (taken.pop(source_name) if source_name in taken else source.take(source_name)).to(torch_dtype)
+            table = taken.pop(source_name) if source_name in taken else source.take(source_name)
+            if check is not None and name == list(tables)[-1]:  # the LM head (the embedding where they are tied)
+                say("checking the quantized layers against float32 on held text")
+                agreement = check.result(basis, final_norm, table)
+            table = table.to(torch_dtype)
             if client_quant == "int8":
                 client_tensors[f"{name}.weight"], client_tensors[f"{name}{SCALE_SUFFIX}"] = quantize_rows(table)
             else:
                 client_tensors[f"{name}.weight"] = table
             del table
-        client_tensors["norm.weight"] = source.take("model.norm.weight").to(torch_dtype)
+        client_tensors["norm.weight"] = final_norm.to(torch_dtype)
         save_file(client_tensors, str(client_tmp / "client.safetensors"))
         save_file({"basis": basis.contiguous()}, str(client_tmp / "basis.safetensors"))
 
@@ -167,6 +183,7 @@ def prepare(model: str | Path | None = None, output: str | Path = "bundles", *,
             "client_layers": client_layers, "total_layers": total, "client_quant": client_quant,
             "server_quant": quant.to_manifest(),
             "server_fingerprint": manifest["fingerprint"], "source": source.description,
+            **({"server_quant_agreement": agreement.to_manifest()} if agreement is not None else {}),
         }, indent=2))
         B.restrict_tree(client_tmp)
         say("moving both bundles into place")
@@ -177,7 +194,12 @@ def prepare(model: str | Path | None = None, output: str | Path = "bundles", *,
         shutil.rmtree(client_tmp, ignore_errors=True)
         raise
     log.info("prepared bundles: client=%s server=%s", client_dir, server_dir)
-    return PreparedBundles(client_dir, server_dir, manifest["fingerprint"])
+    if agreement is not None:
+        log.info("served layers %s against float32 on held text: %s", quant.describe(), agreement.describe())
+        warning = advice(agreement, quant.scheme, quant.group_size)
+        if warning:
+            log.warning("%s", warning)
+    return PreparedBundles(client_dir, server_dir, manifest["fingerprint"], agreement)
 
 
 def _calibration(source: WeightSource, config, taken: dict, max_tokens: int | None) -> Calibration:
@@ -192,15 +214,34 @@ def _calibration(source: WeightSource, config, taken: dict, max_tokens: int | No
     return calibration
 
 
+def _held_check(source: WeightSource, config, taken: dict) -> HeldCheck | None:
+    """The held text embedded for the agreement check (None, with a note, where the model has no tokenizer)."""
+    tokenizer = source.tokenizer()
+    if tokenizer is None:
+        log.warning("no tokenizer: the quantized layers are not checked against float32")
+        return None
+    name = "model.embed_tokens.weight"
+    if name not in taken:
+        taken[name] = source.take(name)
+    return HeldCheck(config, taken[name].to(torch.float32), held_ids(tokenizer, HELD_POSITIONS))
+
+
 def _quantized_layer(index: int, weights: dict, q64: torch.Tensor, quant: served.ServerQuant,
-                     calibration: Calibration | None, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+                     calibration: Calibration | None, check: HeldCheck | None,
+                     dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Fold, rotate (in float32) and quantise one served layer; norms and biases in the bundle's dtype."""
     rotated = rotate_layer(weights, q64, torch.float32)
     hessians = calibration.hessians(index, rotated) if calibration is not None else None
     tensors = served.quantize_layer(rotated, quant, hessians)
-    del rotated, hessians
-    if calibration is not None:  # later layers calibrate on what this quantised layer puts out
-        calibration.advance(index, served.dequantize_layer(tensors))
+    del hessians
+    if calibration is not None or check is not None:
+        dequantized = served.dequantize_layer(tensors)
+        if calibration is not None:  # later layers calibrate on what this quantised layer puts out
+            calibration.advance(index, dequantized)
+        if check is not None:
+            check.served_layer(index, q64, rotated, dequantized)
+        del dequantized
+    del rotated
     quantized = {name for name, t in tensors.items() if not t.is_floating_point()}
     quantized |= {n.rsplit(".", 1)[0] + s for n in quantized for s in (".scale", ".scales", ".zeros")}
     return {k: (t if k in quantized else t.to(dtype)).contiguous() for k, t in tensors.items()}
@@ -219,6 +260,17 @@ def _stages(progress: bool):
 def _parent(path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     return path.parent
+
+
+def _refuse_to_overwrite(client_dir: Path, server_dir: Path) -> None:
+    """Preparing again draws a new secret basis, so replacing a bundle is never silent: say what it loses."""
+    taken = [str(d) for d in (client_dir, server_dir) if d.exists() and any(d.iterdir())]
+    if taken:
+        raise FileExistsError(
+            f"{' and '.join(taken)} already {'hold bundles' if len(taken) > 1 else 'holds a bundle'}; preparing again "
+            "draws a new secret basis: the sessions stored under the old one become unreadable, and a server serving "
+            "the old server bundle will refuse the new client bundle. Pass --force (force=True) to replace them, or "
+            "--output to prepare somewhere else")
 
 
 def _replace(tmp: Path, final: Path) -> None:

@@ -31,7 +31,7 @@ import re
 import sys
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -42,6 +42,7 @@ from infemeral.model import architecture
 from infemeral.model.architecture import NORM_FEEDS
 from infemeral.model.layers import LayerStack
 from infemeral.quant import served
+from infemeral.quant.agreement import Agreement
 from infemeral.quant.calibration import Calibration, calibration_ids
 
 REPO = Path(__file__).resolve().parents[2]
@@ -279,22 +280,6 @@ def perplexity(system, ids: list[int], chunk: int = CHUNK, advance: Callable[[in
         total -= float(logp.gather(1, targets.unsqueeze(1)).sum())
         advance(len(part))
     return math.exp(total / (len(ids) - 1))
-
-
-@dataclass
-class Agreement:
-    positions: int
-    top1_matches: int
-    first_divergence: int | None  # earliest over the sequences, in tokens of a continuation
-    divergences: list = field(default_factory=list)
-
-    @property
-    def top1_rate(self) -> float:
-        return self.top1_matches / self.positions if self.positions else float("nan")
-
-    def describe(self) -> str:
-        first = "none" if self.first_divergence is None else f"token {self.first_divergence}"
-        return f"top-1 {self.top1_matches}/{self.positions} ({self.top1_rate:.1%}), first divergence {first}"
 
 
 @torch.inference_mode()

@@ -29,10 +29,24 @@ INPUT_GROUPS = {
 }
 
 
+# The last conversations are never calibrated on: prepare's agreement check reads them (quant/agreement.py).
+HELD_CONVERSATIONS = 3
+
+
 def calibration_ids(tokenizer, max_tokens: int | None = None) -> list[list[int]]:
     """One token sequence per calibration conversation, chat-templated when the tokenizer has a template."""
+    return _chat_ids(tokenizer, CONVERSATIONS[:-HELD_CONVERSATIONS], max_tokens)
+
+
+def held_ids(tokenizer, max_tokens: int | None = None) -> list[list[int]]:
+    """The held-out conversations, as calibration_ids reads the others: text that ships with the package and
+    that no calibration has seen."""
+    return _chat_ids(tokenizer, CONVERSATIONS[-HELD_CONVERSATIONS:], max_tokens)
+
+
+def _chat_ids(tokenizer, conversations, max_tokens: int | None) -> list[list[int]]:
     sequences, total = [], 0
-    for user, assistant in CONVERSATIONS:
+    for user, assistant in conversations:
         messages = [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
         if getattr(tokenizer, "chat_template", None):
             ids = tokenizer.apply_chat_template(messages, tokenize=True)

@@ -28,7 +28,9 @@ from infemeral.quant.hqq import quantize_hqq
 SCHEMES = ("none", "int8", "int4")
 METHODS = ("rtn", "hqq", "gptq")
 LINEARS = int8.QUANTIZED_LINEARS
-DEFAULT_METHOD = {"int8": "gptq", "int4": "gptq"}
+# int8 rounds to nearest: within 1.01x of float32 for free, where GPTQ adds many minutes to prepare for ~0.1 %;
+# int4 needs the calibration (docs/server_quant.md)
+DEFAULT_METHOD = {"int8": "rtn", "int4": "gptq"}
 DEFAULT_GROUP_SIZE = 64
 # int4 keeps these in int8: the value projection alone, in int4, costs more than every other linear together
 # (docs/server_quant.md), and k/v are a few percent of a layer's weights (GQA)
