@@ -346,3 +346,18 @@ def test_int8_rounds_to_nearest_by_default_so_needs_no_calibration(tmp_path):
     assert ServerBundle.open(b.server_dir).manifest["server_quant"]["method"] == "rtn"
     with pytest.raises(ValueError, match="tokenizer"):
         do_prepare(tmp_path / "gptq", server_quant="int8", quant_method="gptq")
+
+
+def test_packaged_model_records_its_authors_sampling_and_the_client_samples_with_it(tmp_path, monkeypatch):
+    """The packaged model's bundle says temperature 0.2, top-p 0.9 (its model card), which chat and generate then
+    use; a model given by the user keeps its own generation config."""
+    from infemeral.cloak import prepare as prepare_module
+    from infemeral.client.sampling import chat_defaults
+
+    monkeypatch.setattr(prepare_module, "open_source", lambda model: ModelSource(tiny_model(), None, "packaged"))
+    packaged = prepare(None, tmp_path / "packaged", progress=False)
+    config = ClientBundle.open(packaged.client_dir).generation_config()
+    assert (config.do_sample, config.temperature, config.top_p) == (True, 0.2, 0.9)
+    assert chat_defaults(config) == {"temperature": 0.2, "top_p": 0.9}
+    own = ClientBundle.open(do_prepare(tmp_path / "own").client_dir).generation_config()
+    assert not own.do_sample and chat_defaults(own)["temperature"] == 0.7
