@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import hashlib
-import ipaddress
 import json
 import os
 import secrets
@@ -39,6 +38,8 @@ import tarfile
 from pathlib import Path
 
 from infemeral.cloak.bundle import CLIENT_FORMAT, SERVER_FORMAT, sha256_file
+from infemeral.files import write_private
+from infemeral.server.certs import self_signed_certificate
 
 DEFAULT_UID = 10001          # the image's user (docker/Dockerfile ARG UID/GID)
 DEFAULT_GID = 10001
@@ -94,40 +95,7 @@ def make_certificate(server_name: str = SERVER_NAME, dns: tuple[str, ...] = (), 
                      days: int = 825) -> tuple[bytes, bytes]:
     """A self-signed certificate and its key (PEM) for the server, valid for `server_name`,
     localhost, 127.0.0.1 and the extra names and addresses. Clients pin the certificate itself."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, server_name)])
-    names = [x509.DNSName(n) for n in dict.fromkeys((server_name, "localhost", *dns))]
-    addresses = [x509.IPAddress(ipaddress.ip_address(a)) for a in dict.fromkeys(("127.0.0.1", *ips))]
-    now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder()
-            .subject_name(name).issuer_name(name)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=days))
-            .add_extension(x509.SubjectAlternativeName(names + addresses), critical=False)
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.KeyUsage(digital_signature=True, key_encipherment=False, content_commitment=False,
-                                         data_encipherment=False, key_agreement=False, key_cert_sign=False,
-                                         crl_sign=False, encipher_only=False, decipher_only=False), critical=True)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-            .sign(key, hashes.SHA256()))
-    key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                serialization.NoEncryption())
-    return cert.public_bytes(serialization.Encoding.PEM), key_pem
-
-
-def write_private(path: Path, data: bytes) -> None:
-    """Write a file readable by its owner only (created so, never world-readable in between)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.chmod(path, 0o600)
+    return self_signed_certificate(server_name, (*dns, *ips), days)
 
 
 def make_credentials(out: Path, server_name: str = SERVER_NAME, dns: tuple[str, ...] = (),

@@ -19,6 +19,7 @@ examples:
   INFEMERAL_BUNDLE=/workspace/server INFEMERAL_LISTEN=0.0.0.0:50051 infemeral-server
   infemeral-server --bundle bundles/server --tensor-parallel 4    # the layers split over 4 GPUs
   torchrun --nproc-per-node 4 $(which infemeral-server) --bundle bundles/server   # the same, started by torchrun
+  infemeral-server certs gpu.example.org   # a CA and a certificate for --tls-cert/--tls-key (certs --help)
 
 The server only ever sees hidden states in the client's secret basis; it keeps
 each session's KV cache encrypted under the client's key in --store between turns.
@@ -35,6 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["certs"]:  # the one subcommand: TLS certificates to serve with
+        from infemeral.server.certs import main as certs_main
+
+        return certs_main(argv[1:])
     cap_arenas()  # before any turn thread allocates: glibc would otherwise keep freed memory per thread
     args = build_parser().parse_args(argv)
     from infemeral.server.app import serve_forever
