@@ -4,8 +4,9 @@
 runs on a thread of its own: `Server(settings).start()`, `.port`, `.stop()`
 work from plain code (the CLI, tests, benchmarks). Start-up settles everything
 the environment can refuse — TLS files, the listen addresses, the metrics
-port — before the slow part (verifying and loading the model), and binds every
-address or none (see `listen.py`).
+port — before the slow part (verifying and loading the model, then a warm-up
+turn through it), and binds every address or none (see `listen.py`). Health
+says SERVING once all of that is done.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from infemeral.server.metrics import Metrics
 from infemeral.server.parallel import driver as tensor_parallel
 from infemeral.server.service import InfemeralService
 from infemeral.server.settings import ServerSettings
+from infemeral.server.warm_up import warm_up
 from infemeral.storage.open import open_store
 from infemeral.transport import ApiKeyInterceptor, is_loopback, read_api_keys, server_credentials
 
@@ -114,6 +116,7 @@ class Server:
         finally:
             if verified is not None:
                 verified.result()  # also when the load failed: a file that does not match explains it best
+        warm_up(self.engine)  # the kernels' one-time set-up, before health says SERVING, not in a user's turn
         self.service = InfemeralService(self.engine, service_limits(s, len(set(keys))), self.max_message_bytes)
         self.metrics.pool_total.set(self.engine.pool.num_pages)
         self.metrics.pool_used.set_function(lambda: self.engine.pool.num_pages - self.engine.pool.free_pages)
