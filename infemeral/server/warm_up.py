@@ -15,11 +15,14 @@ import time
 import torch
 
 from infemeral.errors import InfemeralError, StatusError
+from infemeral.model.paged_attention import MAX_PADDED_QUERY
 from infemeral.server.engine import SESSION_ID_BYTES, SESSION_KEY_BYTES, Engine
 
 log = logging.getLogger(__name__)
 
-PREFILL_TOKENS = 4
+# Above the torch backend's padded-batch limit, so that a prompt's prefill (one SDPA of its own) and a decode
+# step (a padded batch) both run once; FlashInfer's prefill and decode wrappers likewise.
+PREFILL_TOKENS = MAX_PADDED_QUERY + 1
 
 
 class WarmUpFailed(InfemeralError):
