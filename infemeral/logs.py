@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
+
+
+LIBRARY_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")  # what TRANSFORMERS_VERBOSITY takes
 
 
 class JsonFormatter(logging.Formatter):
@@ -33,6 +37,26 @@ class StderrHandler(logging.StreamHandler):
         pass
 
 
+def route_library_messages() -> None:
+    """Send what libraries print where infemeral's own log lines go (stderr, at the configured level), so that a
+    command's stdout holds its answer alone: Python warnings become log records, transformers' logger drops its
+    own stderr handler ('[transformers] …' lines landed inside streamed answers) for the root's, and the progress
+    bars of loading weights (transformers', huggingface_hub's, GGUF's) are off. Importing transformers costs a second,
+    so one not yet imported is set up through the environment it reads when it is."""
+    logging.captureWarnings(True)
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' own bars follow this too
+    os.environ.setdefault("TQDM_DISABLE", "1")  # read as tqdm is imported; infemeral's own bars pass disable=
+    level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", level.lower() if level in LIBRARY_LEVELS else "warning")
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_default_handler()
+        transformers_logging.enable_propagation()
+        transformers_logging.disable_progress_bar()
+        logging.getLogger("transformers").setLevel(logging.NOTSET)
+
+
 def configure(level: str = "INFO", fmt: str = "text") -> None:
     handler = StderrHandler()
     if fmt == "json":
@@ -42,3 +66,4 @@ def configure(level: str = "INFO", fmt: str = "text") -> None:
     else:
         raise ValueError(f"log format must be text or json, not {fmt!r}")
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+    route_library_messages()

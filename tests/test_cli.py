@@ -150,3 +150,14 @@ def test_wrong_bundle_gives_an_actionable_error(cli_env, tmp_path):
     proc = run_cli("generate", "hi", env=env)
     assert proc.returncode == 2
     assert "not an infemeral bundle" in proc.stderr and "prepare" in proc.stderr
+
+
+def test_a_draft_model_prints_nothing_into_the_answer(cli_env):
+    # Loading the draft model and running it once printed progress bars and a '[transformers] … deprecated' line
+    # into the streamed answer; stdout holds the answer alone, stderr nothing at the default level.
+    args = ("generate", "Complete: The quick brown fox", "--max-new-tokens", 6, "--greedy")
+    drafted = run_cli(*args, "--speculate", "draft", "--draft-model", "default", env=cli_env)
+    plain = run_cli(*args, "--speculate", "off", env=cli_env)
+    assert drafted.returncode == 0 and plain.returncode == 0, drafted.stderr + plain.stderr
+    assert drafted.stdout == plain.stdout and drafted.stdout.strip()
+    assert drafted.stderr == "", drafted.stderr

@@ -249,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s",
                         handlers=[logs.StderrHandler()])
+    logs.route_library_messages()  # stdout holds answers alone
     try:
         return COMMANDS[args.command](args)
     except InfemeralError as e:

@@ -152,6 +152,6 @@ class DraftModel:
 
     def _forward(self, ids: list[int]) -> torch.Tensor:
         out = self.model(torch.tensor([ids]), use_cache=True, **{cache_keyword(self.model): self._cache})
-        self._cache = out.past_key_values
+        self._cache = getattr(out, cache_keyword(self.model))  # outputs renamed it when the inputs did
         self._seen += ids
         return out.logits[0, -1]
