@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import re
 import sys
 
 import grpc
@@ -140,3 +141,30 @@ def test_the_log_handler_follows_stderr_when_it_is_swapped(monkeypatch):
     monkeypatch.setattr(sys, "stderr", second)
     handler.emit(record)
     assert "written where stderr is now" in second.getvalue()
+
+
+def test_a_cancelled_turn_leaves_one_line(quick_pod, caplog):
+    """(Old code: a turn the client cancelled left no line at all.)"""
+    import time
+
+    srv, c = quick_pod
+    session = c.new_session()
+    session.chat("Hello there.", SamplingParams(max_new_tokens=2))
+    stub = pb_grpc.InfemeralStub(c.channel)
+    caplog.set_level(logging.INFO)
+    pending: queue.Queue = queue.Queue()
+    pending.put(pb.TurnRequest(open=pb.OpenTurn(session_id=session.id, session_key=session.key, expected_version=1,
+                                                bundle_fingerprint=c.bundle.server_fingerprint)))
+    responses = stub.Turn(iter(pending.get, None), timeout=60)
+    assert next(responses).WhichOneof("kind") == "opened"
+    responses.cancel()
+    pending.put(None)
+    deadline = time.monotonic() + 10
+    while not [r for r in caplog.records if "without a commit" in r.getMessage()] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    lines = [r.getMessage() for r in caplog.records if "without a commit" in r.getMessage()]
+    # gRPC hands the server a cancelled stream either as a cancellation or as the stream's end
+    assert len(lines) == 1 and re.fullmatch(
+        f"turn (cancelled|abandoned) session={session.id.hex()[:8]}: the client ended it without a commit, or the "
+        "server is stopping; nothing committed", lines[0]), [r.getMessage() for r in caplog.records]
+    assert session.chat("Still here?", SamplingParams(max_new_tokens=2)).version == 2

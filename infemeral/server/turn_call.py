@@ -100,6 +100,10 @@ class TurnCall:
             self.outcome = "cancelled"  # the client went away (or the server is stopping)
             raise
         finally:
+            # before the close: a call cancelled again while it waits for the close would skip the line
+            if self.outcome in ("cancelled", "abandoned") and self.is_opened:  # the others log their status below
+                log.info("turn %s session=%s: the client ended it without a commit, or the server is stopping; "
+                         "nothing committed", self.outcome, short_id(self.session_id))
             if self.turn is not None:
                 await self._close()
             self.engine.metrics.turn_ended(self.outcome)
