@@ -33,13 +33,15 @@ def reference():
 
 @pytest.fixture(scope="session")
 def bundles(reference, tmp_path_factory):
-    """Client and server bundles of the default model, prepared once per test run."""
+    """Client and server bundles of the default model, prepared once per test run: what `infemeral-client prepare`
+    writes (the packaged model's sampling included), from the model `reference` already loaded."""
     from infemeral.cloak.prepare import prepare
     from infemeral.cloak.sources import ModelSource
 
     model, tokenizer = reference
     out = tmp_path_factory.mktemp("bundles")
-    return prepare(output=out, source=ModelSource(model, tokenizer, "packaged SmolLM2"), progress=False)
+    return prepare(output=out, source=ModelSource(model, tokenizer, "packaged SmolLM2", packaged=True),
+                   progress=False)
 
 
 def start_server(bundles, store: Path, **overrides):

@@ -14,7 +14,7 @@ from faults import TurnFault
 from infemeral.cli import main as cli
 from infemeral.cli.chat_repl import ChatRepl
 from infemeral.client.client import Client
-from infemeral.client.sampling import CHAT_SAMPLING, SamplingParams
+from infemeral.client.sampling import SamplingParams
 from infemeral.client.settings import ClientSettings
 
 MAX_CONTEXT = 128
@@ -177,17 +177,18 @@ def test_answers_sample_by_default_and_greedy_is_one_flag_away(monkeypatch, serv
     monkeypatch.setattr(client, "close", lambda: None)
     monkeypatch.setattr(ChatRepl, "run", lambda self: seen.append(self.params) or 0)
     base = ["chat", "--server", f"127.0.0.1:{server.port}", "--client-bundle", str(bundles.client_dir)]
-    for extra in ((), ("--greedy",), ("--temperature", "0"), ("--temperature", "0.3"), ("--repetition-penalty", "1")):
+    for extra in ((), ("--greedy",), ("--temperature", "0"), ("--temperature", "0.3"), ("--repetition-penalty", "1.2")):
         assert cli.main(base + list(extra)) == 0
-    default, greedy, zero, cooler, no_penalty = seen
-    # The default model's generation config does not sample: the chat defaults fill in.
-    assert (default.temperature, default.top_p, default.repetition_penalty) == tuple(CHAT_SAMPLING.values())
+    default, greedy, zero, cooler, penalised = seen
+    # The packaged model's bundle samples as its model card recommends (a config that does not sample gets
+    # CHAT_SAMPLING: test_prepare).
+    assert (default.temperature, default.top_p, default.repetition_penalty) == (0.2, 0.9, 1.0)
     plain = SamplingParams()
     for params in (greedy, zero):  # greedy decoding exactly as the SDK's default (the exactness reference)
         assert (params.temperature, params.top_p, params.top_k, params.repetition_penalty) == (
             plain.temperature, plain.top_p, plain.top_k, plain.repetition_penalty)
-    assert (cooler.temperature, cooler.top_p, cooler.repetition_penalty) == (0.3, 0.9, 1.1)
-    assert (no_penalty.temperature, no_penalty.repetition_penalty) == (0.7, 1.0)
+    assert (cooler.temperature, cooler.top_p, cooler.repetition_penalty) == (0.3, 0.9, 1.0)
+    assert (penalised.temperature, penalised.repetition_penalty) == (0.2, 1.2)
     assert cli.main(base + ["--greedy", "--temperature", "0.5"]) == 2
 
 

@@ -351,10 +351,12 @@ def test_int8_rounds_to_nearest_by_default_so_needs_no_calibration(tmp_path):
 def test_packaged_model_records_its_authors_sampling_and_the_client_samples_with_it(tmp_path, monkeypatch):
     """The packaged model's bundle says temperature 0.2, top-p 0.9 (its model card), which chat and generate then
     use; a model given by the user keeps its own generation config."""
-    from infemeral.cloak import prepare as prepare_module
+    from infemeral.cloak import sources
     from infemeral.client.sampling import chat_defaults
 
-    monkeypatch.setattr(prepare_module, "open_source", lambda model: ModelSource(tiny_model(), None, "packaged"))
+    # a tiny model stands in for the packaged GGUF that `prepare` with no model opens
+    monkeypatch.setattr(sources, "GGUFSource", lambda path, packaged=False: ModelSource(tiny_model(), None, "packaged",
+                                                                                        packaged=packaged))
     packaged = prepare(None, tmp_path / "packaged", progress=False)
     config = ClientBundle.open(packaged.client_dir).generation_config()
     assert (config.do_sample, config.temperature, config.top_p) == (True, 0.2, 0.9)

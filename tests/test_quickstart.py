@@ -2,9 +2,11 @@
 
 Only the environment differs from a laptop's: HOME is a fresh directory (so the default paths are its own) and
 the ports are free ones (the server's through INFEMERAL_LISTEN / INFEMERAL_SERVER, serve's through
-INFEMERAL_SERVE_PORT, the request's URL rewritten to it), and INFEMERAL_MAX_NEW_TOKENS keeps the answers short.
+INFEMERAL_SERVE_PORT, the request's URL rewritten to it), INFEMERAL_MAX_NEW_TOKENS keeps the answers short, and
+INFEMERAL_SEED fixes the sampling (the README says answers vary; with this seed the first one says Paris).
 `infemeral-client prepare` (bare: it writes to the default bundle path) is the one line not run: the session's
-prepared bundles of the same packaged model are put where it would write them, which saves ~30 s.
+prepared bundles of the same packaged model (the `bundles` fixture, which writes what `prepare` writes, the model
+card's sampling included) are put where it would write them, which saves ~30 s.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from conftest import REPO, free_port, wait_serving
 pytestmark = pytest.mark.slow
 
 CHAT_MESSAGE = "What is 2 + 2?\n"
+QUESTION, ANSWER = "What is the capital of France?", "Paris"
+SEED = "0"  # the first seed tried: the packaged model samples Paris about 6 times in 10 at temperature 0.2
 
 
 def readme_blocks() -> dict[str, list[str]]:
@@ -63,6 +67,7 @@ def wait_http(url: str, proc: subprocess.Popen, timeout: float = 180) -> None:
 def test_readme_quickstart_runs_as_written(bundles, tmp_path):
     blocks = readme_blocks()
     assert set(blocks) == {"server", "client", "request"}, blocks
+    assert ["infemeral-client", "generate", QUESTION] in map(program, blocks["client"])
     home = tmp_path / "home"
     default = home / ".local" / "share" / "infemeral" / "bundles" / "default"
     grpc_port, http_port = free_port(), free_port()
@@ -70,7 +75,7 @@ def test_readme_quickstart_runs_as_written(bundles, tmp_path):
     env.update(HOME=str(home), PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
                INFEMERAL_LISTEN=f"127.0.0.1:{grpc_port}", INFEMERAL_SERVER=f"127.0.0.1:{grpc_port}",
                INFEMERAL_METRICS_PORT=str(free_port()), INFEMERAL_SERVE_PORT=str(http_port),
-               INFEMERAL_MAX_NEW_TOKENS="24")
+               INFEMERAL_MAX_NEW_TOKENS="24", INFEMERAL_SEED=SEED)
     running: list[subprocess.Popen] = []
 
     def start(command: str) -> subprocess.Popen:
@@ -93,6 +98,7 @@ def test_readme_quickstart_runs_as_written(bundles, tmp_path):
                 default.mkdir(parents=True)
                 shutil.copytree(bundles.client_dir, default / "client")
                 shutil.copytree(bundles.server_dir, default / "server")
+                assert json.loads((default / "client" / "generation_config.json").read_text()).get("do_sample")
             elif words == ["infemeral-server"]:
                 wait_serving(f"127.0.0.1:{grpc_port}", start(command))
             else:
@@ -100,7 +106,9 @@ def test_readme_quickstart_runs_as_written(bundles, tmp_path):
 
         for command in blocks["client"]:
             words = program(command)
-            if words[:2] == ["infemeral-client", "generate"]:
+            if words == ["infemeral-client", "generate", QUESTION]:
+                assert ANSWER in run(command)  # sampled as the bundle says (no --greedy), seeded
+            elif words[:2] == ["infemeral-client", "generate"]:
                 run(command)
             elif words == ["infemeral-client", "chat"]:
                 run(command, stdin=CHAT_MESSAGE)

@@ -153,8 +153,10 @@ def test_chat_defaults_follow_the_models_generation_config_and_fill_in_where_it_
     # A config that samples is taken as its authors wrote it: no penalty of ours added.
     assert chat_defaults(GenerationConfig(do_sample=True, temperature=0.6, top_p=0.95)) == {
         "temperature": 0.6, "top_p": 0.95}
-    # One that does not (SmolLM2's sets nothing) gets the chat defaults, under what it does set.
+    # One that does not (a model whose config sets nothing) gets the chat defaults, under what it does set.
     assert chat_defaults(GenerationConfig()) == CHAT_SAMPLING
     assert chat_defaults(GenerationConfig(repetition_penalty=1.05)) == {**CHAT_SAMPLING, "repetition_penalty": 1.05}
-    # Greedy asked for: the config alone, nothing of ours.
+    # Greedy asked for: what greedy decoding reads from the config (its penalty) alone, nothing of ours.
     assert chat_defaults(GenerationConfig(), is_greedy=True) == {}
+    assert chat_defaults(GenerationConfig(do_sample=True, temperature=0.2, top_p=0.9, repetition_penalty=1.05),
+                         is_greedy=True) == {"repetition_penalty": 1.05}

