@@ -29,7 +29,8 @@ def test_the_server_caps_glibc_arenas_before_it_serves(monkeypatch, tmp_path):
     monkeypatch.setattr(heap, "_glibc_mallopt", lambda: mallopt)
     seen_when_serving = []
     monkeypatch.setattr(app, "serve_forever", lambda settings: seen_when_serving.extend(mallopt.calls) or 0)
-    assert server_main(["--bundle", str(tmp_path), "--store", str(tmp_path / "store")]) == 0
+    assert server_main(["--bundle", str(tmp_path), "--store", str(tmp_path / "store"), "--listen", "127.0.0.1:0",
+                        "--metrics-port", "0"]) == 0
     assert seen_when_serving == [(heap.M_ARENA_MAX, heap.SERVER_ARENAS)] == [(-8, 2)]  # glibc's M_ARENA_MAX
 
 

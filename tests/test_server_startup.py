@@ -3,6 +3,8 @@ turn before health says SERVING. A tiny random Llama keeps it cheap."""
 
 from __future__ import annotations
 
+import json
+import socket
 from concurrent import futures
 
 import grpc
@@ -13,6 +15,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from infemeral.cli.server_errors import describe
 from infemeral.client.server_link import ServerLink
+from infemeral.cloak.bundle import ServerBundle
 from infemeral.cloak.prepare import prepare
 from infemeral.cloak.sources import ModelSource
 from infemeral.errors import Unavailable
@@ -128,3 +131,47 @@ def test_health_says_serving_only_after_the_warm_up_turn(tiny, tmp_path, monkeyp
         assert srv.engine.active_turns == 0 and srv.engine.pool.free_pages == srv.engine.pool.num_pages
     finally:
         srv.stop(0)
+
+
+# -- refusals before the model: the flags and the machine, checked before its code is imported -----------------
+@pytest.fixture
+def model_never_opened(monkeypatch, tmp_path):
+    """A bundle directory holding only a config (4 attention heads, 2 KV heads); opening the bundle or serving
+    fails the test, so a refusal proves it came first."""
+    def opened(*args, **kwargs):
+        pytest.fail("the server opened the bundle before refusing")
+
+    monkeypatch.setattr(ServerBundle, "open", opened)
+    monkeypatch.setattr(app, "serve_forever", opened)
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    (bundle / "config.json").write_text(json.dumps({
+        "model_type": "llama", "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}))
+    return ["--bundle", str(bundle), "--store", str(tmp_path / "store"), "--device", "cpu"]
+
+
+def test_a_taken_port_is_refused_before_the_model_is_opened(model_never_opened, capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert server_main(model_never_opened + ["--listen", f"127.0.0.1:{port}", "--metrics-port", "0"]) == 2
+        for_metrics = server_main(model_never_opened + ["--listen", "127.0.0.1:0", "--metrics-port", str(port)])
+    err = capsys.readouterr().err
+    assert for_metrics == 2
+    assert err == (f"infemeral-server: cannot listen on 127.0.0.1:{port}: address already in use\n"
+                   f"infemeral-server: cannot listen on the metrics port 127.0.0.1:{port}: address already in use\n")
+
+
+@pytest.mark.parametrize("flags, gpus, expected", [
+    (["--tensor-parallel", "3"], 0, "this model has 4 attention heads and 2 KV heads; use one of: 1, 2"),
+    (["--tensor-parallel", "2", "--device", "cuda"], 1, "over 2 ranks needs 2 GPUs; this machine has 1"),
+])
+def test_a_tensor_parallel_count_that_cannot_serve_is_refused_before_the_model_is_opened(
+        model_never_opened, flags, gpus, expected, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    argv = model_never_opened + ["--listen", "127.0.0.1:0", "--metrics-port", "0"] + flags
+    assert server_main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("infemeral-server: tensor parallelism") and expected in err

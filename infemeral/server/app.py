@@ -29,6 +29,7 @@ from infemeral.server.engine import Engine
 from infemeral.server.listen import CannotListen, ListenAddress, bind_all, reason
 from infemeral.server.metrics import Metrics
 from infemeral.server.parallel import driver as tensor_parallel
+from infemeral.server.parallel import ranks
 from infemeral.server.service import InfemeralService
 from infemeral.server.settings import ServerSettings
 from infemeral.server.warm_up import warm_up
@@ -88,9 +89,9 @@ class Server:
         keys = read_api_keys(s.api_keys, s.api_keys_file)
         bundle = ServerBundle.open(s.bundle, verify=False)  # manifest and config only: the message size limit
         engine_config = s.engine_config(len(set(keys)))
-        ranks = tensor_parallel.rank_count(s.tensor_parallel)
-        if ranks > 1:
-            tensor_parallel.check(bundle.config, engine_config, ranks)
+        world = ranks.rank_count(s.tensor_parallel)
+        if world > 1:
+            ranks.check(bundle.config, s.device, world)
         self.max_message_bytes = s.max_step_tokens * bundle.config.hidden_size * 4 + WIRE_OVERHEAD
         self.port = self._call(self._bind(listen, credentials, keys))
         if s.metrics_port:
@@ -104,9 +105,9 @@ class Server:
         verified = verifying.submit(bundle.verify) if s.verify_bundle else None
         verifying.shutdown(wait=False)  # its one task still runs
         runner = None
-        if ranks > 1:
+        if world > 1:
             self.tensor_parallel = tensor_parallel.TensorParallel.start(
-                bundle, engine_config, ranks, s.tensor_parallel_timeout, log_format=s.log_format,
+                bundle, engine_config, world, s.tensor_parallel_timeout, log_format=s.log_format,
                 log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()))
             self.tensor_parallel.on_failure(self._fail)
             runner = self.tensor_parallel.runner

@@ -66,6 +66,18 @@ def try_bind(ip: str, port: int) -> None:
         s.bind((ip, port))
 
 
+def check_free(spec: ListenAddress, what: str = "") -> None:
+    """Refuse, in one line, an address of `spec` that cannot be bound now (`what` names it: "the metrics port ")
+    — a check before the slow part of start-up; `bind_all` binds for real afterwards."""
+    for ip in spec.resolve() if spec.port else []:
+        address = join(ip, spec.port)
+        where = f"{spec}" if address == str(spec) else f"{spec} ({address})"
+        try:
+            try_bind(ip, spec.port)
+        except OSError as e:
+            raise CannotListen(f"cannot listen on {what}{where}: {reason(e)}") from None
+
+
 def bind_all(spec: ListenAddress, add_port: Callable[[str], int]) -> int:
     """Bind every address of `spec` with `add_port` (a gRPC server's add_*_port); the bound port.
 

@@ -35,6 +35,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_before_loading(settings: ServerSettings) -> None:
+    """Refuse, one line each, a listen or metrics address that is taken and a tensor-parallel rank count that the
+    model's heads or this machine's GPUs do not allow: from the settings, the bundle's config.json and the GPU
+    count, before the model's code is imported (seconds on a pod), let alone its weights."""
+    from infemeral.cloak.bundle import stored_config
+    from infemeral.server.listen import ListenAddress, check_free
+    from infemeral.server.parallel.ranks import check, rank_count
+
+    check_free(ListenAddress.parse(settings.listen))
+    if settings.metrics_port:
+        check_free(ListenAddress(settings.metrics_host.strip("[]"), settings.metrics_port), "the metrics port ")
+    world = rank_count(settings.tensor_parallel)
+    bundle = settings.bundle.expanduser()
+    if world > 1 and (bundle / "config.json").is_file():  # no bundle there: opening it says so, in full
+        check(stored_config(bundle), settings.device, world)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["certs"]:  # the one subcommand: TLS certificates to serve with
@@ -43,7 +60,6 @@ def main(argv: list[str] | None = None) -> int:
         return certs_main(argv[1:])
     cap_arenas()  # before any turn thread allocates: glibc would otherwise keep freed memory per thread
     args = build_parser().parse_args(argv)
-    from infemeral.server.app import serve_forever
     from infemeral.server.parallel.group import torchrun_rank
 
     try:
@@ -51,10 +67,13 @@ def main(argv: list[str] | None = None) -> int:
         configure_logging(settings.log_level, settings.log_format)
         launch = torchrun_rank()
         if launch is not None and launch.rank > 0:  # torchrun started every rank: this one works for rank 0
-            from infemeral.server.model_runner import resolve_device
+            from infemeral.server.devices import resolve_device
             from infemeral.server.parallel.worker import serve
 
             return serve(launch, resolve_device(settings.device).type, settings.tensor_parallel_timeout)
+        check_before_loading(settings)
+        from infemeral.server.app import serve_forever
+
         return serve_forever(settings)
     except (InfemeralError, OSError, ValueError, ValidationError) as e:
         print(f"infemeral-server: {e}", file=sys.stderr)

@@ -27,23 +27,9 @@ from infemeral.model.plain_decoder import layer_window
 from infemeral.quant.served import ServerQuant, kernels_in_use, load_stack
 from infemeral.server import self_check
 from infemeral.server.config import EngineConfig
+from infemeral.server.devices import resolve_device, resolve_dtype
 
 log = logging.getLogger(__name__)
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    try:
-        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-    except KeyError:
-        raise ValueError(f"dtype must be float32, bfloat16, float16 or auto, not {dtype!r}") from None
 
 
 def served_window(bundle: ServerBundle) -> int | None:

@@ -38,11 +38,12 @@ from infemeral.cloak.bundle import ServerBundle
 from infemeral.errors import Unavailable
 from infemeral.kvcache.paged import PagedBatch, PagePool
 from infemeral.server.config import EngineConfig
-from infemeral.server.model_runner import ModelRunner, resolve_device
+from infemeral.server.model_runner import ModelRunner
 from infemeral.server.parallel import ops
 from infemeral.server.parallel.group import (DEFAULT_TIMEOUT, START_TIMEOUT, Group, env_store, loopback_store,
                                              rank_device, spawn_workers, torchrun_rank)
-from infemeral.server.parallel.shard import Shard, ShardedBundle, attach_all_reduce, check_divisible, parameter_bytes
+from infemeral.server.parallel.ranks import check
+from infemeral.server.parallel.shard import Shard, ShardedBundle, attach_all_reduce, parameter_bytes
 
 log = logging.getLogger(__name__)
 
@@ -194,31 +195,6 @@ class TensorParallelRunner(ModelRunner):
         return out
 
 
-def rank_count(setting: int) -> int:
-    """How many ranks serve: the setting, or torchrun's WORLD_SIZE when torchrun started this process and the
-    setting was left at 1."""
-    launch = torchrun_rank()
-    return launch.world if launch is not None and setting == 1 else setting
-
-
-def check(model_config, config: EngineConfig, world: int) -> str:
-    """Whether `world` ranks can serve this model here (a one-line ValueError if not); their device kind."""
-    check_divisible(model_config, world)
-    return device_kind(config, world)
-
-
-def device_kind(config: EngineConfig, world: int) -> str:
-    """cpu or cuda for every rank, or a one-line refusal."""
-    if config.device not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"with tensor parallelism the ranks take cuda:0..N-1 (or the CPU); set device to cuda, cpu "
-                         f"or auto, not {config.device!r} (CUDA_VISIBLE_DEVICES chooses the GPUs)")
-    kind = resolve_device(config.device).type
-    if kind == "cuda" and torch.cuda.device_count() < world:
-        raise ValueError(f"tensor parallelism over {world} ranks needs {world} GPUs; this machine has "
-                         f"{torch.cuda.device_count()}")
-    return kind
-
-
 class TensorParallel:
     """A server's N ranks, this process being rank 0: start them, watch them, stop them."""
 
@@ -249,7 +225,7 @@ class TensorParallel:
     def start(cls, bundle: ServerBundle, config: EngineConfig, world: int, timeout: float = DEFAULT_TIMEOUT, *,
               log_level: str = "INFO", log_format: str = "text") -> "TensorParallel":
         """Start (or, under torchrun, join) the other ranks, load every rank's shard, and return rank 0's side."""
-        kind = check(bundle.config, config, world)
+        kind = check(bundle.config, config.device, world)
         launch = torchrun_rank()
         procs: list[subprocess.Popen] = []
         if launch is not None:

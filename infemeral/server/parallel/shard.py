@@ -19,7 +19,6 @@ rows where its first dimension is the output features, by columns scaled to its 
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -27,6 +26,7 @@ import torch
 from transformers import PretrainedConfig
 
 from infemeral.model.layers import head_dim
+from infemeral.server.parallel.ranks import check_divisible
 
 # prefix of a linear inside a decoder layer -> which output features it has
 COLUMN_PARALLEL = {"self_attn.q_proj": "heads", "self_attn.k_proj": "kv_heads", "self_attn.v_proj": "kv_heads",
@@ -39,21 +39,6 @@ ROW_PARALLEL = {"self_attn.o_proj": "heads", "mlp.down_proj": "mlp"}
 class Shard:
     rank: int
     world: int
-
-
-def valid_rank_counts(config: PretrainedConfig) -> list[int]:
-    """Rank counts the model's head counts divide by."""
-    g = math.gcd(config.num_attention_heads, config.num_key_value_heads)
-    return [n for n in range(1, g + 1) if g % n == 0]
-
-
-def check_divisible(config: PretrainedConfig, world: int) -> None:
-    """Refuse, in one line, a rank count that the attention or KV heads do not divide by."""
-    heads, kv = config.num_attention_heads, config.num_key_value_heads
-    if world < 1 or heads % world or kv % world:
-        counts = ", ".join(str(n) for n in valid_rank_counts(config))
-        raise ValueError(f"tensor parallelism over {world} ranks needs head counts that divide by {world}, and "
-                         f"this model has {heads} attention heads and {kv} KV heads; use one of: {counts}")
 
 
 def split(total: int, shard: Shard) -> range:
