@@ -4,7 +4,14 @@ A tiny random Llama is served by real `infemeral-server` processes that all
 share one directory store. Each round a fresh server is hammered by one
 client thread per session (raw gRPC turns: open, sometimes a truncation into
 committed tokens to force a compaction, a step of a few or of 50-200 rows,
-commit; as fast as it goes), and is killed with SIGKILL after a random delay.
+commit; as fast as it goes), and is killed with SIGKILL once the round has
+seen a few commits, after a random delay. Every sixth round the kill then
+waits for a commit to be writing, and lands at once: in turn while a file is
+being written (a new `.tmp-` file in a session's folder) and once a chunk is
+in place, as the manifest is written (a new `chunk-` file). The kill follows
+the server's progress, not the clock, so a loaded machine changes how long a
+round takes, not what it covers; a server that makes no progress within a
+generous deadline fails the test.
 Then, with no server running, every session is read straight from the store
 with its keys:
 
@@ -64,10 +71,14 @@ pytestmark = pytest.mark.slow
 HIDDEN = 64
 ROUNDS = int(os.environ.get("INFEMERAL_CRASH_ROUNDS", "12"))
 SESSIONS = 3
-DELAY = (0.05, 0.6)     # seconds between the server reporting SERVING and SIGKILL
+COMMITS = (1, 4)        # commits a round sees before the kill (the first round: every session's first too)
+DELAY = (0.05, 0.6)     # seconds from those commits to SIGKILL (or to waiting for a commit's write)
+AIM_EVERY = 6           # every sixth round's kill waits for a commit's write: `.tmp-`, then `chunk-`, in turn
 AHEAD = 2               # servers booting while one is hammered (start-up is most of a round's time)
 MAX_LENGTH = 1500       # past this, a turn truncates deep into the committed tokens
-TURN_TIMEOUT = 30.0
+TURN_TIMEOUT = 120.0    # one turn; generous, for a loaded machine
+PROGRESS_TIMEOUT = 300.0  # a server booting, or committing what a round waits for; generous, for a loaded machine
+AIM_TIMEOUT = 10.0      # waiting for a commit's write to be under way (a round kills anyway after it)
 
 
 # -- the model and its servers -------------------------------------------------------------------
@@ -109,7 +120,7 @@ class ServerProcess:
     def wait_serving(self) -> bool:
         """Wait for SERVING; False if the port was taken meanwhile (free_port only finds a port free)."""
         try:
-            wait_serving(self.address, self.proc)
+            wait_serving(self.address, self.proc, timeout=PROGRESS_TIMEOUT)
             return True
         except RuntimeError:
             self.proc.wait(timeout=30)
@@ -227,6 +238,47 @@ def hammer(address: str, s: Session, fingerprint: str, seed: int, killed: thread
                 return
 
 
+def wait_for_commits(sessions: list[Session], before: int, target: int, server: ServerProcess,
+                     errors: list[str]) -> None:
+    """Until the round has `target` acknowledged commits and every session has committed at least once (or
+    until a client failed or the server died: the caller reports that)."""
+    deadline = time.monotonic() + PROGRESS_TIMEOUT
+    while not errors and server.proc.poll() is None:
+        done = sum(s.turns["committed"] for s in sessions) - before
+        if done >= target and all(s.turns["committed"] for s in sessions):
+            return
+        assert time.monotonic() < deadline, (
+            f"the server acknowledged {done} of {target} commits (sessions without any: "
+            f"{[s.index for s in sessions if not s.turns['committed']]}) in {PROGRESS_TIMEOUT:.0f} s:\n"
+            + "\n".join(server.output))
+        time.sleep(0.005)
+
+
+def aim(rnd: int) -> str | None:
+    """What the kill of round `rnd` waits for to appear in a session's folder, if anything: `.tmp-` (a commit
+    is writing a file) or `chunk-` (a commit's chunk is in place; its manifest is being written)."""
+    if rnd % AIM_EVERY != AIM_EVERY - 1:
+        return None
+    return (".tmp-", "chunk-")[rnd // AIM_EVERY % 2]
+
+
+def wait_for_a_write(root: Path, sessions: list[Session], prefix: str) -> bool:
+    """Until a new file whose name starts with `prefix` appears in a session's folder; False after AIM_TIMEOUT
+    without one. (A committed session's folder stays: only an uncommitted one's goes with its lock.)"""
+    folders = [root / s.id.hex() for s in sessions]
+
+    def names() -> set[str]:
+        return {name for folder in folders if folder.exists() for name in os.listdir(folder)}
+
+    before = names()
+    deadline = time.monotonic() + AIM_TIMEOUT
+    while time.monotonic() < deadline:
+        if any(name.startswith(prefix) for name in names() - before):
+            return True
+        time.sleep(0.0005)  # a durable write keeps its temp file for about a millisecond on a disk
+    return False
+
+
 # -- what the store holds --------------------------------------------------------------------------
 def check_stored(root: Path, s: Session, layers: LayerStack, fingerprint: str, where: str) -> dict:
     """Read the session straight from the store (no server running) and reconcile the client with it."""
@@ -326,7 +378,10 @@ def test_sigkill_during_commits_leaves_old_or_new_version(tiny, tmp_path):
                                                              killed, errors), daemon=True) for s in sessions]
             for t in threads:
                 t.start()
+            wait_for_commits(sessions, before, rng.randint(*COMMITS), server, errors)
             time.sleep(rng.uniform(*DELAY))
+            if aim(rnd) is not None:
+                stats[f"kills aimed at a new {aim(rnd)} file"] += wait_for_a_write(root, sessions, aim(rnd))
             killed.set()
             server.kill()
             assert server.proc.returncode == -signal.SIGKILL, "\n".join(server.output)
