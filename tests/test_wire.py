@@ -187,7 +187,9 @@ def test_second_turn_sends_only_its_new_tokens(recorded):
     rejected = [sum(r.truncate.tokens for r in turn[f:] if r.WhichOneof("kind") == "truncate")
                 for turn, f in zip(turns, first_step)]
     assert rewound[0] == 0 and rewound[1] == results[1].truncated_tokens
-    assert rejected[1] > 0 and rejected[1] >= results[1].drafted_tokens - results[1].accepted_drafts
+    # how many drafts go out depends on the measured step cost (fewer on a loaded machine), and all of them may be
+    # accepted: every rejected one is dropped again, whatever their number
+    assert rejected[1] >= results[1].drafted_tokens - results[1].accepted_drafts
     # Turn 1 sends everything it stores; turn 2 only what it adds (plus any re-tokenised tail it replaced);
     # rejected drafts are sent and dropped again.
     assert sent[0] - rejected[0] == lengths[0]
