@@ -43,8 +43,11 @@ from infemeral.kvcache.cache import KVCache
 from infemeral.kvcache.paged import PagedSequence
 from infemeral.kvcache.window import WindowPolicy
 from infemeral.server.config import EngineConfig
+from infemeral.server.app import service_limits
 from infemeral.server.engine import Engine
+from infemeral.server.settings import ServerSettings
 from infemeral.server.turn import TurnStatus
+from infemeral.server.turn_call import peer_account
 from infemeral.storage.open import open_store
 
 HIDDEN = 64
@@ -392,6 +395,35 @@ def test_one_api_key_holds_at_most_its_share_of_slots_and_pages(bundle, tmp_path
         assert engine.pool.free_pages == engine.pool.num_pages and engine.pool.promised_pages == 0
         assert all(share.held_pages == 0 for share in engine._shares.values())
         assert Client(engine, 6).open(reserve_tokens=48, account="key-a") is not None  # all back
+    finally:
+        engine.stop()
+
+
+def test_without_api_keys_one_client_address_holds_at_most_its_turns(bundle, tmp_path):
+    """Without API keys the client's address is the account: past `max_sessions_per_peer` turns it is refused at
+    once with a retry hint, while another address and the pod's own (loopback) clients are served."""
+    settings = ServerSettings(max_sessions=8, max_sessions_per_peer=2)
+    assert settings.engine_config(num_api_keys=0).max_sessions_per_peer == 2
+    assert settings.engine_config(num_api_keys=1).max_sessions_per_peer == 0  # keys tell clients apart instead
+    assert service_limits(settings).max_streams_per_peer == 8  # the same share of the 32 streams
+    quiet = peer_account("ipv4:10.0.0.7:40001")
+    assert quiet == peer_account("ipv4:10.0.0.7:40002") == "ipv4:10.0.0.7"  # the port does not count
+    assert peer_account("ipv6:%5B2001:db8::1%5D:40001") == "ipv6:2001:db8::1"
+    assert peer_account("ipv4:127.0.0.1:40001") is peer_account("ipv6:%5B::1%5D:40001") is None
+    engine = make_engine(bundle, open_store(tmp_path / "store"), max_sessions=8,
+                         max_sessions_per_peer=settings.engine_config().max_sessions_per_peer)
+    try:
+        held = [Client(engine, i).open(8, account=quiet) for i in (1, 2)]  # opened, then silent
+        started = time.monotonic()
+        with pytest.raises(ResourceExhausted, match="your address has its limit of 2 turns") as info:
+            Client(engine, 3).open(8, account=quiet)
+        assert time.monotonic() - started < 0.2 and info.value.retry_after > 0
+        others = [Client(engine, 4).open(8, account=peer_account("ipv4:10.0.0.8:40001")),
+                  *(Client(engine, i).open(8) for i in (5, 6, 7))]
+        engine.close_turn(held.pop())
+        held.append(Client(engine, 3).open(8, account=quiet))  # its slot back
+        for turn in held + others:
+            engine.close_turn(turn)
     finally:
         engine.stop()
 

@@ -47,9 +47,13 @@ FAILURE_GRACE_SECONDS = 2.0  # a server whose ranks were lost: time for open tur
 def service_limits(settings: ServerSettings, num_api_keys: int = 0) -> ServiceLimits:
     max_streams = settings.max_streams or 4 * settings.max_sessions
     sessions_per_key, _ = settings.limits_per_key(num_api_keys)
-    # One key may hold the same share of the streams as of the turn slots.
-    streams_per_key = math.ceil(max_streams * sessions_per_key / settings.max_sessions) if sessions_per_key else 0
-    return ServiceLimits(max_streams=max_streams, max_streams_per_key=streams_per_key,
+    sessions_per_peer = settings.limit_per_peer(num_api_keys)
+
+    def streams(sessions: int) -> int:  # one key or address may hold the same share of the streams as of the turns
+        return math.ceil(max_streams * sessions / settings.max_sessions) if sessions else 0
+
+    return ServiceLimits(max_streams=max_streams, max_streams_per_key=streams(sessions_per_key),
+                         max_streams_per_peer=streams(sessions_per_peer),
                          turn_idle_seconds=settings.turn_idle_seconds, max_turn_seconds=settings.max_turn_seconds,
                          delete_threads=settings.workers)
 

@@ -27,6 +27,7 @@ class EngineConfig:
     default_reserve_tokens: int = DEFAULT_RESERVE_TOKENS  # what a turn that declares nothing may add in its quota
     max_sessions_per_key: int = 0        # most turns one API key may have open (0: no limit per key)
     kv_pool_share_per_key: float = 1.0   # share of the pool the turns of one API key may hold (1: no limit)
+    max_sessions_per_peer: int = 0       # without API keys: most turns one client address may have open (0: none)
 
     def __post_init__(self):
         if self.num_pages < self.window_pages:
@@ -64,6 +65,7 @@ class EngineConfig:
 class ServiceLimits:
     max_streams: int = 256             # Turn streams open at once, opened or not
     max_streams_per_key: int = 0       # of those, most with one API key (0: no limit per key)
+    max_streams_per_peer: int = 0      # without API keys: most with one client address (0: no limit per address)
     turn_idle_seconds: float = 30.0    # longest wait for a client's next message inside a turn
     max_turn_seconds: float = 3600.0   # longest turn
     delete_threads: int = 8            # threads for session deletes

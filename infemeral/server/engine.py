@@ -19,7 +19,8 @@ overflow inside the layers, and nothing is committed.
 
 With API keys, each turn carries a short hash of its key (`account`): one key
 may hold at most `max_sessions_per_key` turn slots and `pages_per_key` KV
-pages, so it cannot take the pool, or every slot, from the others.
+pages, so it cannot take the pool, or every slot, from the others. Without API
+keys, the account is the client's address, limited to `max_sessions_per_peer` turns.
 
 Opening a turn is two moves so that an asyncio front end never blocks: `claim_turn`
 (checks and a turn slot, instant) and `load_turn` (store lock, page quota,
@@ -200,8 +201,8 @@ class Engine:
         """Check an open and take one of the `max_sessions` turn slots for the session. Touches no store and
         never blocks (unless `wait` > 0: how long to wait for this server's running turn of the session).
 
-        `account` names the API key the turn came with (a hash of it); it counts against that key's limits
-        when the server has any."""
+        `account` names the API key the turn came with (a hash of it), or without keys the client's address;
+        it counts against that key's or address's limits when the server has any."""
         if len(session_id) != SESSION_ID_BYTES:
             raise InvalidArgument(f"session_id must be {SESSION_ID_BYTES} bytes, got {len(session_id)}")
         if len(session_key) != SESSION_KEY_BYTES:
@@ -223,9 +224,10 @@ class Engine:
             if session_id in self._active:
                 raise SessionInTurn("this session is already in a turn on this server; wait for it to finish "
                                     "(one turn at a time per session)")
-            per_key = self.config.max_sessions_per_key
-            if account is not None and per_key and self._turns_by_account[account] >= per_key:
-                raise ResourceExhausted(f"this API key has its limit of {per_key} turns open on this server (of "
+            per_account = self.config.max_sessions_per_key or self.config.max_sessions_per_peer
+            if account is not None and per_account and self._turns_by_account[account] >= per_account:
+                who = "this API key" if self.config.max_sessions_per_key else "your address"
+                raise ResourceExhausted(f"{who} has its limit of {per_account} turns open on this server (of "
                                         f"{self.config.max_sessions}); retry in a second", retry_after=1.0)
             if len(self._active) >= self.config.max_sessions:
                 raise ResourceExhausted(f"server is serving its limit of {self.config.max_sessions} turns; "
@@ -239,7 +241,7 @@ class Engine:
 
     @property
     def is_limited_per_key(self) -> bool:
-        return bool(self.config.max_sessions_per_key or self.config.pages_per_key)
+        return bool(self.config.max_sessions_per_key or self.config.pages_per_key or self.config.max_sessions_per_peer)
 
     def _share(self, account: str | None) -> PageShare | None:
         """The page share of an API key (under `_active_lock`); None without a limit on pages per key."""

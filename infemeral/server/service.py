@@ -9,7 +9,8 @@ so silent streams cost no worker, and server info (answered on the event loop)
 and deletes (on their own threads) answer whatever the turns do. Limits answer
 at once: past `max_streams` open Turn streams, or `max_sessions` open turns, a
 new one gets RESOURCE_EXHAUSTED with a `retry-after-ms` hint, never a queue;
-with several API keys, likewise past one key's share of either.
+with several API keys, likewise past one key's share of either; without API keys,
+past one client address's share.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from infemeral.errors import ResourceExhausted, StatusError
 from infemeral.protocol import PROTOCOL_VERSION, pb, pb_grpc
 from infemeral.server.config import ServiceLimits
 from infemeral.server.engine import Engine, short_id
-from infemeral.server.turn_call import STORE_ERRORS, TurnCall, TurnCallResources, abort, api_key_account
+from infemeral.server.turn_call import STORE_ERRORS, TurnCall, TurnCallResources, abort, api_key_account, peer_account
 
 log = logging.getLogger(__name__)
 
@@ -43,19 +44,22 @@ class InfemeralService(pb_grpc.InfemeralServicer):
         self.delete_executor = ThreadPoolExecutor(limits.delete_threads, thread_name_prefix="infemeral-delete")
         self.turn_resources = TurnCallResources(engine, limits, self.turn_executor)
         self._calls: set[asyncio.Task] = set()
-        self._streams_by_account: Counter[str] = Counter()  # on the event loop only
+        self._streams_by_account: Counter[str] = Counter()  # per API key or client address; on the event loop only
 
     @property
     def num_streams(self) -> int:
         return len(self._calls)
 
     async def Turn(self, request_iterator, context):
-        per_key = self.limits.max_streams_per_key
         account = api_key_account(context)
+        per_account, who = self.limits.max_streams_per_key, "this API key"
+        if account is None:  # a server without API keys: clients told apart by address
+            account = peer_account(context.peer())
+            per_account, who = self.limits.max_streams_per_peer, "your address"
         if self.num_streams >= self.limits.max_streams:
             await self._refuse(context, f"server has its limit of {self.limits.max_streams} turn streams open")
-        if per_key and account is not None and self._streams_by_account[account] >= per_key:
-            await self._refuse(context, f"this API key has its limit of {per_key} turn streams open on this server "
+        if per_account and account is not None and self._streams_by_account[account] >= per_account:
+            await self._refuse(context, f"{who} has its limit of {per_account} turn streams open on this server "
                                         f"(of {self.limits.max_streams})")
         task = asyncio.current_task()
         self._calls.add(task)

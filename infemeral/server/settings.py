@@ -49,6 +49,11 @@ class ServerSettings(BaseSettings):
                                                            "refused at once with RESOURCE_EXHAUSTED (0: half of "
                                                            "max_sessions when more than one API key is set, else no "
                                                            "limit; no API keys: no limit)")
+    max_sessions_per_peer: int = Field(8, ge=0, description="without API keys: most turns one client address may "
+                                                            "have open at once, loopback clients apart; more are "
+                                                            "refused at once with RESOURCE_EXHAUSTED (0: no limit, "
+                                                            "e.g. behind a proxy every client shares; with API "
+                                                            "keys the per-key limits apply instead)")
     kv_pool_share_per_key: float = Field(0.0, ge=0, le=1, description="share of the KV pool the turns of one API key "
                                                                       "may hold, at least one max_context (0: half "
                                                                       "when more than one API key is set, else all; "
@@ -103,6 +108,11 @@ class ServerSettings(BaseSettings):
         share = self.kv_pool_share_per_key or (0.5 if several else 1.0)
         return sessions, share
 
+    def limit_per_peer(self, num_api_keys: int) -> int:
+        """Turns one client address may hold (0: no limit): only without API keys, which tell clients apart
+        better (clients behind one proxy share an address)."""
+        return 0 if num_api_keys else self.max_sessions_per_peer
+
     def engine_config(self, num_api_keys: int = 0) -> EngineConfig:
         """The engine's part of these settings, as one frozen `EngineConfig`."""
         from infemeral.kvcache.window import WindowPolicy
@@ -116,4 +126,5 @@ class ServerSettings(BaseSettings):
                             kv_pool_tokens=self.kv_pool_tokens, max_batch_tokens=self.max_batch_tokens,
                             admission_wait=self.admission_wait, attention_backend=self.attention_backend,
                             max_batch_hold=self.max_batch_hold, default_reserve_tokens=self.default_reserve_tokens,
-                            max_sessions_per_key=sessions_per_key, kv_pool_share_per_key=share_per_key)
+                            max_sessions_per_key=sessions_per_key, kv_pool_share_per_key=share_per_key,
+                            max_sessions_per_peer=self.limit_per_peer(num_api_keys))

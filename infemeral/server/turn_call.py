@@ -30,6 +30,7 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from urllib.parse import unquote
 
 import grpc
 
@@ -40,7 +41,7 @@ from infemeral.server.config import ServiceLimits
 from infemeral.server.engine import BUSY_GRACE_SECONDS, Engine, SessionInTurn, short_id
 from infemeral.server.turn import Turn
 from infemeral.storage.open import store_errors
-from infemeral.transport import API_KEY_HEADER
+from infemeral.transport import API_KEY_HEADER, is_loopback
 
 log = logging.getLogger(__name__)
 STORE_ERRORS = store_errors()
@@ -57,6 +58,17 @@ def api_key_account(context: grpc.aio.ServicerContext) -> str | None:
             raw = value.encode() if isinstance(value, str) else bytes(value)
             return hashlib.blake2b(raw, key=_ACCOUNT_SALT, digest_size=8).hexdigest()
     return None
+
+
+def peer_account(peer: str) -> str | None:
+    """The client's address without its port (`ipv4:10.0.0.7`, from gRPC's `context.peer()`), for counting what
+    each address holds when the server has no API keys; None for this machine's own clients (loopback, a Unix
+    socket), which are the pod's own processes or everyone behind a tunnel or proxy there. Never logged."""
+    kind, _, rest = peer.partition(":")
+    host = unquote(rest.rpartition(":")[0]).strip("[]")
+    if kind not in ("ipv4", "ipv6") or not host or is_loopback(host):
+        return None
+    return f"{kind}:{host}"
 
 
 @dataclass(frozen=True)
