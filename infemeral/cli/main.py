@@ -161,14 +161,14 @@ def build_parser() -> argparse.ArgumentParser:
                                    "limits, window) and check that the client bundle belongs to it (exit status 1 "
                                    "if it does not); --laptop-half also shows how this machine's half computes.")
     add_settings_flags(i, ClientSettings, CONNECTION)
+    i.add_argument("--json", action="store_true",
+                   help="print the server's info as JSON (with client_bundle_matches), for scripts")
     i.add_argument("--laptop-half", action="store_true",
                    help="also load the laptop's half as configured below and show how it computes and its memory "
                         "(loads torch and the weights: a few seconds)")
     _local_compute(i)
 
     f = sub.add_parser("forget-answers", help="clear the answer index (earlier answers kept for drafting)",
-    i.add_argument("--json", action="store_true",
-                   help="print the server's info as JSON (with client_bundle_matches), for scripts")
                        description="Delete the answer index: the token ids of earlier answers this client keeps "
                                    "on this machine to draft from (see --answer-index). A chat or serve running now "
                                    "forgets them too. Turn it off for good with --no-answer-index or "
