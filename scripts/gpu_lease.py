@@ -64,7 +64,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import torch  # noqa: E402
 from bench.harness import Target, at_least, at_most  # noqa: E402
 from gpu_workloads import (decode_rate, linear_shapes, llama_config, random_batch, random_layers,  # noqa: E402
-                           synchronize, write_bundle)
+                           steps_per_second, synchronize, write_bundle)
 
 from infemeral.model.layers import head_dim  # noqa: E402
 
@@ -999,14 +999,7 @@ def plain_decode_rate(model, sessions: int, context: int, steps: int, device, dt
         nonlocal cache
         cache = forward(1, cache)
 
-    for _ in range(3):
-        step()
-    synchronize(device)
-    t = time.perf_counter()
-    for _ in range(steps):
-        step()
-    synchronize(device)
-    return sessions * steps / (time.perf_counter() - t)
+    return sessions * steps_per_second(step, steps, device)
 
 
 def stage_throughput(stage: Stage) -> None:

@@ -24,6 +24,18 @@ def synchronize(device: str | torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def steps_per_second(step, steps: int, device, warm_up: int = 3) -> float:
+    """Completed calls of `step` per second over `steps` timed calls, after `warm_up` untimed ones."""
+    for _ in range(warm_up):
+        step()
+    synchronize(device)
+    t = time.perf_counter()
+    for _ in range(steps):
+        step()
+    synchronize(device)
+    return steps / (time.perf_counter() - t)
+
+
 def linear_shapes(config) -> dict[str, tuple[int, int]]:
     """(out, in) of each linear of a decoder layer."""
     d, f = config.hidden_size, config.intermediate_size
@@ -75,14 +87,7 @@ def decode_rate(stack, pool, backend, sessions: int, context: int, steps: int) -
         stack.forward_batch(torch.randn(sessions, hidden, device=device, dtype=dtype) * 0.1,
                             PagedBatch(pool, seqs, [1] * sessions, backend))
 
-    for _ in range(3):
-        step()
-    synchronize(device)
-    t = time.perf_counter()
-    for _ in range(steps):
-        step()
-    synchronize(device)
-    rate = sessions * steps / (time.perf_counter() - t)
+    rate = sessions * steps_per_second(step, steps, device)
     for s in seqs:
         s.wipe()
     return rate
