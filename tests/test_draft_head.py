@@ -268,8 +268,9 @@ def test_a_drafter_fed_step_by_step_drafts_as_one_fed_at_once(tiny, head):
     assert len(stepped.propose(ids[:m + 1], 4)) == 4
 
 
-def test_a_rewind_forgets_what_no_longer_holds(tiny, head):
-    model = tiny[0]
+def rewound_and_fresh(model, head):
+    """A drafter that drafted in one conversation and then saw it change from position 15 on, and a drafter
+    that only ever saw the changed one; and the changed conversation."""
     ids = [int(x) for x in torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(6))]
     other = ids[:15] + [(t + 1) % VOCAB for t in ids[15:]]
     drafter = head.fork()
@@ -279,6 +280,11 @@ def test_a_rewind_forgets_what_no_longer_holds(tiny, head):
     drafter.observe(other[:25], feats[15:25])  # the conversation changed from position 15 on
     fresh = head.fork()
     fresh.observe(other[:25], feats[:25])
+    return drafter, fresh, other
+
+
+def test_a_rewind_forgets_what_no_longer_holds(tiny, head):
+    drafter, fresh, other = rewound_and_fresh(tiny[0], head)
     assert drafter.propose(other[:26], 3) == fresh.propose(other[:26], 3)
     assert head.fork().propose(other[:26], 3) == []  # no features: no drafts
 
@@ -287,17 +293,8 @@ def test_after_a_rewind_the_heads_cache_is_a_fresh_drafters(tiny, head):
     """Drafts agreeing is not enough (a tiny head's argmax hides a stale position): after the conversation
     changes from position 15 on and the drafter drafts again, its cache holds exactly the keys and values, and
     its window exactly the features, of a drafter that only ever saw the new conversation."""
-    model = tiny[0]
-    ids = [int(x) for x in torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(6))]
-    other = ids[:15] + [(t + 1) % VOCAB for t in ids[15:]]
-    drafter = head.fork()
-    drafter.observe(ids[:25], features_of(model, ids[:25]))
-    drafter.propose(ids[:26], 3)
-    feats = features_of(model, other)
-    drafter.observe(other[:25], feats[15:25])
+    drafter, fresh, other = rewound_and_fresh(tiny[0], head)
     drafter.propose(other[:26], 3)
-    fresh = head.fork()
-    fresh.observe(other[:25], feats[:25])
     fresh.propose(other[:26], 3)
     assert (drafter.start, drafter.cache.length) == (fresh.start, fresh.cache.length) and fresh.cache.length > 15
     for mine, theirs in zip(drafter.cache.layer_tensors(0), fresh.cache.layer_tensors(0)):  # keys, values
