@@ -59,7 +59,8 @@ class ServerSettings(BaseSettings):
                                                                       "when more than one API key is set, else all; "
                                                                       "no API keys: all)")
     attention_backend: str = Field("auto", description="auto, torch or flashinfer (auto: FlashInfer on CUDA "
-                                                       "when installed)")
+                                                       "in bfloat16 or float16 when installed; float32 and "
+                                                       "the CPU take torch)")
     max_batch_hold: float = Field(0.0, ge=0, description="seconds a forward pass may wait for sessions about to "
                                                          "send their next step, so they share it (0: never wait; "
                                                          "e.g. 0.05 to try)")
