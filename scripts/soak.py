@@ -570,7 +570,8 @@ def ensure_bundles(directory: Path) -> Path:
     path = default_gguf_path()
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    prepare(output=directory, source=ModelSource(model, tokenizer, "packaged SmolLM2"), progress=False)
+    prepare(output=directory, source=ModelSource(model, tokenizer, "packaged SmolLM2", packaged=True),
+            progress=False)
     return directory
 
 

@@ -45,7 +45,8 @@ first steps:
   infemeral-client chat --session work           # resumable chat
   infemeral-client audit "My SSN is 078-05-1120"  # what could the pod learn from this prompt?
   infemeral-client train-drafter                 # a draft head for the model: faster open chat over a WAN
-  infemeral-client prepare --server-quant int4   # served layers in int4 (~{INT4_OF_BF16} of bf16)
+  infemeral-client prepare --server-quant int4   # served layers in int4 (~{INT4_OF_BF16} of bf16); warns if
+                                                 # top-1 agreement with float32 is poor
   infemeral-client eval server-quant             # what that costs in perplexity and agreement
   infemeral-client serve                         # OpenAI-compatible API on http://127.0.0.1:8080/v1
 
