@@ -28,7 +28,7 @@ demo: $(STAMP)
 	$(BIN)/python scripts/demo.py
 
 test: $(STAMP) system-deps
-	$(BIN)/python -m pytest -q -ra
+	$(BIN)/python -m pytest -q -ra --durations=25  # the 25 slowest, so a creeping suite shows in CI
 
 # Tests start a real redis-server, lint the image's scripts with shellcheck and call the OpenAI endpoint with
 # curl; install them when missing.
