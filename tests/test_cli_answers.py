@@ -5,6 +5,7 @@ and the sampling defaults (greedy one flag away)."""
 from __future__ import annotations
 
 import io
+import shutil
 import signal
 
 import pytest
@@ -67,6 +68,27 @@ def test_no_server_there_says_where_and_how_to_start_one(capsys, bundles, tmp_pa
         f"infemeral-client: no infemeral-server at 127.0.0.1:{port}: start one with `infemeral-server` "
         "(add --bundle DIR for a server bundle outside the default place), or point --server "
         "(INFEMERAL_SERVER) at a running one")
+
+
+def test_a_broken_chat_template_is_one_line_naming_its_file(capsys, bundles, tmp_path):
+    """Before any connection: through the tokenizer transformers loads (the edit makes the resolved file stale),
+    then through the resolved one that start wrote again."""
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    for item in bundles.client_dir.iterdir():  # the weights linked, the tokenizer copied to be broken
+        if item.name == "tokenizer":
+            shutil.copytree(item, bundle / item.name)
+        else:
+            (bundle / item.name).symlink_to(item)
+    template = bundle / "tokenizer" / "chat_template.jinja"
+    template.write_text(template.read_text() + "{% if messages %}")
+    for _ in range(2):
+        code = cli.main(["generate", "hi", "--server", f"127.0.0.1:{free_port()}", "--client-bundle", str(bundle),
+                         "--answer-index-dir", str(tmp_path / "answers")])
+        out, err = capsys.readouterr()
+        assert code == 2 and out == ""
+        assert err.startswith(f"infemeral-client: the chat template in {template} (line ") and err.count("\n") == 1
+        assert "Unexpected end of template" in err and "`infemeral-client prepare --force`" in err, err
 
 
 class StopServerMidAnswer(TurnFault):

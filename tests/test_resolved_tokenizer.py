@@ -130,7 +130,10 @@ def test_templates_render_as_transformers_renders_them(name, bundles, tmp_path):
 
 
 def test_a_template_that_raises_raises_the_same_error(bundles, tmp_path):
+    """The same error, which the resolved tokenizer says in one line naming the template's file."""
     import jinja2
+
+    from infemeral.errors import FailedPrecondition
 
     directory = copy_tokenizer(bundles, tmp_path)
     (directory / "chat_template.jinja").write_text(TEMPLATES["llama3-like"])
@@ -138,8 +141,10 @@ def test_a_template_that_raises_raises_the_same_error(bundles, tmp_path):
     messages = [{"role": "tool", "content": "x"}]
     with pytest.raises(jinja2.TemplateError, match="bad role"):
         reference.apply_chat_template(messages, tokenize=False)
-    with pytest.raises(jinja2.TemplateError, match="bad role"):
+    with pytest.raises(FailedPrecondition, match=f"the chat template in {directory / 'chat_template.jinja'} is "
+                                                 "broken: bad role") as broken:
         resolved.apply_chat_template(messages, tokenize=False)
+    assert isinstance(broken.value.__cause__, jinja2.TemplateError)
 
 
 def test_a_tokenizer_that_adds_bos_and_eos_keeps_them(bundles, tmp_path):

@@ -25,6 +25,10 @@ from __future__ import annotations
 import secrets
 from collections import Counter
 
+import jinja2
+
+from infemeral.cloak.chat_render import broken_template
+from infemeral.cloak.resolved_tokenizer import chat_template_file
 from infemeral.errors import InvalidArgument
 
 
@@ -76,7 +80,10 @@ class ChatTemplate:
 
     # -- helpers -------------------------------------------------------------------------------------
     def _render(self, messages: list[dict]) -> str:
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except jinja2.TemplateError as e:  # a tokenizer transformers renders (the resolved one says it itself)
+            raise broken_template(e, chat_template_file(self.tokenizer)) from e
 
     def _content_spans(self, messages: list[dict], rendered: str) -> tuple[str, list[tuple[int, int]] | None]:
         """The template rendered with a marker for each message's text, and where that text lies in

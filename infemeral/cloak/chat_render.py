@@ -30,6 +30,9 @@ REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 # Older jinja2 lets a template out of its sandbox (CVE-2024-56326, CVE-2025-27516: `|attr('format')` reaches
 # str.format unchecked, and through it the process's globals); transformers refuses those versions too.
 SAFE_JINJA2 = (3, 1, 6)
+# What to do about a template that does not parse or that fails while rendering: it came with the model.
+BROKEN_TEMPLATE_FIX = ("restore that file from the model's tokenizer, or prepare the bundle again "
+                       "(`infemeral-client prepare --force`)")
 
 
 class GenerationBlock(jinja2.ext.Extension):
@@ -141,14 +144,29 @@ def check_jinja2() -> None:
                                  f"CVE-2025-27516); upgrade it: pip install 'jinja2>={safe}'")
 
 
-def render(source: str, messages: list[dict], *, add_generation_prompt: bool, special_tokens: dict[str, str]) -> str:
-    """`messages` rendered by the template `source`; `special_tokens` are the tokenizer's (bos_token, ...)."""
+def broken_template(error: jinja2.TemplateError, origin: str | None) -> FailedPrecondition:
+    """A template that does not parse, or that raised while rendering, as one line a person can act on: which
+    file, what jinja2 said, and the fix (instead of jinja2's traceback through the client)."""
+    where = f"the chat template in {origin}" if origin else "the chat template"
+    if isinstance(error, jinja2.TemplateSyntaxError) and error.lineno:
+        where += f" (line {error.lineno})"
+    said = " ".join(str(error).split()) or type(error).__name__
+    return FailedPrecondition(f"{where} is broken: {said}; {BROKEN_TEMPLATE_FIX}")
+
+
+def render(source: str, messages: list[dict], *, add_generation_prompt: bool, special_tokens: dict[str, str],
+           origin: str | None = None) -> str:
+    """`messages` rendered by the template `source`; `special_tokens` are the tokenizer's (bos_token, ...);
+    `origin` names the file the template came from, for the error if it is broken."""
     check_jinja2()
     if not messages:
         raise ValueError("cannot render an empty conversation")
     for message in messages:
         if not isinstance(message, dict):
             raise TypeError(f"chat messages are dicts, not {type(message).__name__}")
-    return compile_template(source).render(messages=[_message(m) for m in messages], tools=None, documents=None,
-                                           add_generation_prompt=add_generation_prompt,
-                                           **_plain(dict(special_tokens)))
+    try:
+        return compile_template(source).render(messages=[_message(m) for m in messages], tools=None,
+                                               documents=None, add_generation_prompt=add_generation_prompt,
+                                               **_plain(dict(special_tokens)))
+    except jinja2.TemplateError as e:
+        raise broken_template(e, origin) from e

@@ -78,6 +78,19 @@ def source_digests(directory: Path) -> dict[str, str]:
     return digests
 
 
+def chat_template_file(tokenizer) -> str | None:
+    """The file `tokenizer`'s chat template came from, named when the template is broken: transformers saves it
+    apart (chat_template.jinja, or .json from older versions), else inside tokenizer_config.json. None for a
+    tokenizer not loaded from a directory."""
+    if not getattr(tokenizer, "name_or_path", ""):
+        return None
+    directory = Path(tokenizer.name_or_path)
+    for name in ("chat_template.jinja", "chat_template.json"):
+        if (directory / name).is_file():
+            return str(directory / name)
+    return str(directory / "tokenizer_config.json")
+
+
 def transformers_version() -> str | None:
     """The installed transformers' version, read without importing it (the import is what the file saves)."""
     try:
@@ -134,13 +147,13 @@ def load(directory: Path) -> ResolvedTokenizer | None:
         log.info("%s is out of date: it was written by transformers %s, and %s is installed", path,
                  data["transformers_version"], installed)
         return None
-    return ResolvedTokenizer(data)
+    return ResolvedTokenizer(data, directory)
 
 
 class ResolvedTokenizer:
     """The part of a transformers tokenizer's interface that infemeral uses, over a `tokenizers.Tokenizer`."""
 
-    def __init__(self, data: dict):
+    def __init__(self, data: dict, directory: Path | None = None):
         import tokenizers
 
         self.backend = tokenizers.Tokenizer.from_str(data["backend"])
@@ -152,6 +165,7 @@ class ResolvedTokenizer:
         self.bos_token_id, self.eos_token_id = ids["bos_token"], ids["eos_token"]
         self.unk_token_id, self.pad_token_id = ids["unk_token"], ids["pad_token"]
         self.chat_template: str | None = data["chat_template"]
+        self.name_or_path = str(directory) if directory is not None else ""  # as transformers names its source
         self.clean_up_tokenization_spaces = False
 
     def __len__(self) -> int:
@@ -197,7 +211,7 @@ class ResolvedTokenizer:
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat template")
         rendered = chat_render.render(self.chat_template, messages, add_generation_prompt=add_generation_prompt,
-                                      special_tokens=self.special_tokens_map)
+                                      special_tokens=self.special_tokens_map, origin=chat_template_file(self))
         if not tokenize:
             return rendered
         return {"input_ids": self(rendered, add_special_tokens=False)["input_ids"]}
