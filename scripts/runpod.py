@@ -30,6 +30,7 @@ import argparse
 import datetime
 import hashlib
 import json
+import math
 import os
 import secrets
 import shlex
@@ -50,6 +51,7 @@ VOLUME = "/workspace"        # where RunPod mounts the pod's (network) volume
 ROOT = "infemeral"           # top folder of the tarball: /workspace/infemeral/...
 TARBALL = "infemeral-runpod.tar"
 PLACEHOLDER_IMAGE = "YOUR-REGISTRY/infemeral-server:0.1.0"
+VOLUME_HEADROOM_GB = 10      # beyond the bundle's two copies: FlashInfer's compiled kernels and the session store
 
 
 class PackError(Exception):
@@ -234,8 +236,9 @@ RunPod template (Templates -> New Template, type Pod):
 
 
 def volume_gb(bundle_size: int) -> int:
-    # the bundle, room to unpack the next one beside it, and the encrypted store
-    return max(20, int(2.2 * bundle_size / 1e9) + 10)
+    """The network volume to ask for, in whole GB: the tarball and the bundle it unpacks to lie side by side until
+    the tarball is deleted (twice the bundle), and the server adds its compiled kernels and the encrypted store."""
+    return math.ceil(2 * bundle_size / 1e9) + VOLUME_HEADROOM_GB
 
 
 def guide(manifest: dict, bundle_dir: Path, out: Path, tar_path: Path, digest: str, creds: dict[str, Path],
@@ -261,7 +264,8 @@ note: this bundle is float32. On a GPU, bfloat16 halves the upload and the GPU m
      docker push {image}
 """)
     steps.append(f"""\
-2. Put the tarball on a RunPod network volume (Storage -> New Network Volume, >= {volume_gb(size)} GB).
+2. Put the tarball on a RunPod network volume (Storage -> New Network Volume, >= {volume_gb(size)} GB: twice
+   the bundle, for the tarball and what it unpacks to, plus {VOLUME_HEADROOM_GB} GB for compiled kernels and the store).
    Start a temporary pod with any RunPod PyTorch template and the volume at {VOLUME}, then copy
    the tarball there over an encrypted channel, e.g. with runpodctl (end-to-end encrypted):
      laptop:  runpodctl send {q(str(tar_path))}

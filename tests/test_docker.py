@@ -500,11 +500,25 @@ def test_runpod_pack(real_looking_bundle, tmp_path):
     for text in ("example/inf:1", "Expose TCP Ports", "50051", "/workspace", "sha256sum -c", digest,
                  "INFEMERAL_TLS_CERT=/workspace/infemeral/tls/server.crt", "infemeral-client info"):
         assert text in guide, text
+    # the volume's size from the bundle's (a few kB: twice rounds up to 1 GB), in the steps and in the template
+    assert "New Network Volume, >= 11 GB: twice\n   the bundle" in guide
+    assert "a network volume of at least 11 GB" in guide
 
     # packing again (a new bundle) keeps the certificate clients have pinned, and the API key
     assert run_runpod("pack", "--bundle-dir", real_looking_bundle, "--out", out).returncode == 0
     assert (creds / "server.crt").read_bytes() == packed_cert
     assert (creds / "api-keys").read_text().strip() == packed_key
+
+
+@pytest.mark.parametrize("bundle_gb, volume_gb", [(0.000004, 11), (4.0, 18), (4.2, 19), (16.1, 43)])
+def test_the_volume_holds_the_bundle_twice_and_the_headroom_in_whole_gb(bundle_gb, volume_gb):
+    assert runpod.volume_gb(int(bundle_gb * 1e9)) == volume_gb
+
+
+def test_the_readme_states_the_volume_rule():
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert (f"twice the bundle's size, for the tarball and what it unpacks to, plus {runpod.VOLUME_HEADROOM_GB} GB "
+            "for compiled kernels and the session store, rounded up to whole GB") in readme
 
 
 def test_runpod_pack_refuses_bad_bundles(real_looking_bundle, tmp_path):
