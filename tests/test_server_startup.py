@@ -4,8 +4,10 @@ turn before health says SERVING. A tiny random Llama keeps it cheap."""
 from __future__ import annotations
 
 import json
+import logging
 import socket
 from concurrent import futures
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -35,9 +37,9 @@ def tiny(tmp_path_factory):
     return prepare(output=tmp_path_factory.mktemp("tiny"), source=ModelSource(model), progress=False)
 
 
-def start(tiny, tmp_path, **tls) -> Server:
+def start(tiny, tmp_path, **overrides) -> Server:
     settings = ServerSettings(bundle=tiny.server_dir, listen="127.0.0.1:0", store=str(tmp_path / "store"),
-                              device="cpu", dtype="float32", metrics_port=0, **tls)
+                              device="cpu", dtype="float32", metrics_port=0, **overrides)
     return Server(settings).start()
 
 
@@ -131,6 +133,35 @@ def test_health_says_serving_only_after_the_warm_up_turn(tiny, tmp_path, monkeyp
         assert srv.engine.active_turns == 0 and srv.engine.pool.free_pages == srv.engine.pool.num_pages
     finally:
         srv.stop(0)
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_server_that_skipped_checking_its_bundle_says_so_and_the_client_warns(verify, tiny, tmp_path, caplog,
+                                                                                 capsys):
+    """--no-verify-bundle: `info` and a connecting Client (what chat and generate use) each say it in one line."""
+    from infemeral.cli.main import main as client_main
+    from infemeral.client.client import Client
+
+    srv = start(tiny, tmp_path, verify_bundle=verify)
+    address = f"127.0.0.1:{srv.port}"
+    try:
+        caplog.set_level(logging.WARNING)
+        assert client_main(["info", "--json", "--server", address, "--client-bundle", str(tiny.client_dir)]) == 0
+        assert json.loads(capsys.readouterr().out)["bundle_unverified"] is (not verify)
+        with ServerLink(address, tiny.client_dir) as link:  # a Client's fetch, without the tokenizer tiny lacks
+            client = SimpleNamespace(_info=None, stub=link.stub, timeout=30, address=address,
+                                     model=SimpleNamespace(hidden_size=srv.engine.hidden_size))
+            assert Client.server_info(client).bundle_unverified is (not verify)
+            Client.server_info(client)  # fetched once: said once
+    finally:
+        srv.stop(0)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    if verify:
+        assert warnings == []
+    else:
+        assert warnings == [f"the server at {address} did not check its bundle's files against their hashes (it was "
+                            "started with --no-verify-bundle): it may serve altered layers under the fingerprint it "
+                            "reports; restart it without that flag"] * 2
 
 
 # -- refusals before the model: the flags and the machine, checked before its code is imported -----------------

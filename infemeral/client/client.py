@@ -20,6 +20,7 @@ import torch
 from infemeral.client.model.half import ClientModel
 from infemeral.client.result import TurnResult
 from infemeral.client.sampling import SamplingParams
+from infemeral.client.server_link import warn_if_unverified
 from infemeral.client.session import Session
 from infemeral.client.settings import ClientSettings
 from infemeral.client.template import ChatTemplate
@@ -112,6 +113,7 @@ class Client:
                 self._info = self.stub.GetServerInfo(pb.ServerInfoRequest(), timeout=min(self.timeout, 30))
             except grpc.RpcError as e:
                 raise from_rpc_error(e) from None
+            warn_if_unverified(self._info, self.address)
             if self._info.hidden_size != self.model.hidden_size:
                 raise FailedPrecondition(f"server serves hidden size {self._info.hidden_size}, this client bundle "
                                          f"has {self.model.hidden_size}: they belong to different models")

@@ -7,6 +7,7 @@ they answer in well under a second. `Client` is the full SDK.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import grpc
@@ -16,7 +17,18 @@ from infemeral.errors import from_rpc_error
 from infemeral.protocol import pb, pb_grpc
 from infemeral.transport import client_channel
 
+log = logging.getLogger(__name__)
+
 RPC_TIMEOUT = 30.0  # seconds for one of these small calls (a Client's own calls use the same bound)
+
+
+def warn_if_unverified(info: pb.ServerInfo, address: str) -> None:
+    """Say so when the server did not check its bundle's files (--no-verify-bundle): the fingerprint it reports
+    comes from the manifest, and altered layers behind it would answer every turn unnoticed."""
+    if info.bundle_unverified:
+        log.warning("the server at %s did not check its bundle's files against their hashes (it was started with "
+                    "--no-verify-bundle): it may serve altered layers under the fingerprint it reports; restart it "
+                    "without that flag", address)
 
 
 class ServerLink:
@@ -26,6 +38,7 @@ class ServerLink:
                  tls_ca: Path | None = None, tls_client_cert: Path | None = None,
                  tls_client_key: Path | None = None, tls_server_name: str | None = None, api_key: str | None = None):
         self.manifest = client_manifest(client_bundle)
+        self.address = server
         self.timeout = min(timeout, RPC_TIMEOUT)
         self.channel = client_channel(server, tls_ca=tls_ca, client_cert=tls_client_cert, client_key=tls_client_key,
                                       server_name=tls_server_name, api_key=api_key)
@@ -43,9 +56,11 @@ class ServerLink:
 
     def server_info(self) -> pb.ServerInfo:
         try:
-            return self.stub.GetServerInfo(pb.ServerInfoRequest(), timeout=self.timeout)
+            info = self.stub.GetServerInfo(pb.ServerInfoRequest(), timeout=self.timeout)
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
+        warn_if_unverified(info, self.address)
+        return info
 
     def delete_session(self, session_id: bytes, key: bytes) -> None:
         """Remove a session's stored state from the server (what `Session.delete` does)."""

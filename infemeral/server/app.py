@@ -122,7 +122,8 @@ class Server:
             if verified is not None:
                 verified.result()  # also when the load failed: a file that does not match explains it best
         warm_up(self.engine)  # the kernels' one-time set-up, before health says SERVING, not in a user's turn
-        self.service = InfemeralService(self.engine, service_limits(s, len(set(keys))), self.max_message_bytes)
+        self.service = InfemeralService(self.engine, service_limits(s, len(set(keys))), self.max_message_bytes,
+                                        bundle_verified=s.verify_bundle)
         self.metrics.pool_total.set(self.engine.pool.num_pages)
         self.metrics.pool_used.set_function(lambda: self.engine.pool.num_pages - self.engine.pool.free_pages)
         self.metrics.active_turns.set_function(lambda: self.engine.active_turns)

@@ -34,10 +34,11 @@ log = logging.getLogger(__name__)
 
 
 class InfemeralService(pb_grpc.InfemeralServicer):
-    def __init__(self, engine: Engine, limits: ServiceLimits, max_message_bytes: int):
+    def __init__(self, engine: Engine, limits: ServiceLimits, max_message_bytes: int, *, bundle_verified: bool = True):
         self.engine = engine
         self.limits = limits
         self.max_message_bytes = max_message_bytes
+        self.bundle_verified = bundle_verified  # its files' hashes were checked at start-up; clients are told if not
         # One thread per turn slot (and a few for closes that follow a running job): a turn's store I/O never
         # waits for another turn's. Deletes have their own threads.
         self.turn_executor = ThreadPoolExecutor(engine.config.max_sessions + 4, thread_name_prefix="infemeral-turn")
@@ -89,7 +90,7 @@ class InfemeralService(pb_grpc.InfemeralServicer):
             sink_tokens=e.window.sink_tokens, page_size=e.window.page_size,
             max_message_bytes=self.max_message_bytes, server_version=__version__,
             protocol_version=PROTOCOL_VERSION, turn_idle_seconds=self.limits.turn_idle_seconds,
-            max_turn_seconds=self.limits.max_turn_seconds)
+            max_turn_seconds=self.limits.max_turn_seconds, bundle_unverified=not self.bundle_verified)
 
     async def DeleteSession(self, request, context):
         job = self.delete_executor.submit(self.engine.delete_session, request.session_id, request.session_key)

@@ -127,7 +127,7 @@ class ServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("bundle_fingerprint", "model_type", "hidden_size", "first_layer", "num_layers", "total_layers", "dtype", "device", "max_step_tokens", "max_context", "max_message_bytes", "server_version", "protocol_version", "window", "sink_tokens", "page_size", "turn_idle_seconds", "max_turn_seconds")
+    __slots__ = ("bundle_fingerprint", "model_type", "hidden_size", "first_layer", "num_layers", "total_layers", "dtype", "device", "max_step_tokens", "max_context", "max_message_bytes", "server_version", "protocol_version", "window", "sink_tokens", "page_size", "turn_idle_seconds", "max_turn_seconds", "bundle_unverified")
     BUNDLE_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +146,7 @@ class ServerInfo(_message.Message):
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     TURN_IDLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MAX_TURN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BUNDLE_UNVERIFIED_FIELD_NUMBER: _ClassVar[int]
     bundle_fingerprint: str
     model_type: str
     hidden_size: int
@@ -164,7 +165,8 @@ class ServerInfo(_message.Message):
     page_size: int
     turn_idle_seconds: float
     max_turn_seconds: float
-    def __init__(self, bundle_fingerprint: _Optional[str] = ..., model_type: _Optional[str] = ..., hidden_size: _Optional[int] = ..., first_layer: _Optional[int] = ..., num_layers: _Optional[int] = ..., total_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_step_tokens: _Optional[int] = ..., max_context: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., server_version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., window: _Optional[bool] = ..., sink_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., turn_idle_seconds: _Optional[float] = ..., max_turn_seconds: _Optional[float] = ...) -> None: ...
+    bundle_unverified: bool
+    def __init__(self, bundle_fingerprint: _Optional[str] = ..., model_type: _Optional[str] = ..., hidden_size: _Optional[int] = ..., first_layer: _Optional[int] = ..., num_layers: _Optional[int] = ..., total_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_step_tokens: _Optional[int] = ..., max_context: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., server_version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., window: _Optional[bool] = ..., sink_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., turn_idle_seconds: _Optional[float] = ..., max_turn_seconds: _Optional[float] = ..., bundle_unverified: _Optional[bool] = ...) -> None: ...
 
 class DeleteSessionRequest(_message.Message):
     __slots__ = ("session_id", "session_key")
