@@ -118,3 +118,26 @@ def test_the_profile_probe_finds_every_function_it_times_and_puts_them_back():
     assert probe.records["engine_step"][0][1] == 1 and probe.records["client_cloak"][0][1] == 2
     assert (halves.to_proto, turn_call.from_proto, Sampler.__call__) == before
     assert "submit_step" not in vars(split.engine)
+
+
+def test_prepare_big_times_every_served_layer_from_read_to_written(tmp_path):
+    """The per-method section wraps prepare's layer reader and file writer by name: if either moves, the timings
+    must come out wrong here, not after a long run at the 8B shape."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    prepare_big = load("prepare_big")
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=96)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "model")
+    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(90)} | {"<unk>": 90}, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="<unk>").save_pretrained(tmp_path / "model")
+    started = harness.now()
+    seconds = prepare_big.timed_prepare(str(tmp_path / "model"), str(tmp_path / "out"), "none", "none")
+    assert len(seconds) == 2  # layer 0 is the client's
+    assert all(0 < s < harness.now() - started for s in seconds)
+    import infemeral.cloak.prepare as P
+    assert P.save_file.__module__.startswith("safetensors")  # put back

@@ -24,7 +24,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.harness import at_most, fmt, log
+from bench.harness import at_most, fmt, log, now
 from bench.instruments import dir_size, run_measured
 from bench.sections import Result
 
@@ -40,25 +40,12 @@ source = open_source(sys.argv[1])
 source.tokenizer(); source.generation_config()
 """
 
-# prepare() with a clock on each served layer: from the call that reads it (layer_tensors) to the end of the
-# save_file that writes it; the served layers' files are the first ones prepare writes
+# the child that runs timed_prepare: argv = scripts/, timings file, checkpoint, output, scheme, method
 TIMED_PREPARE = """
-import json, sys, time
-import infemeral.cloak.prepare as P
-ckpt, out, timings, scheme, method = sys.argv[1:6]
-reads, writes = {}, []
-read_layer, save = P.layer_tensors, P.save_file
-def timed_read(source, index):
-    reads[index] = time.perf_counter()
-    return read_layer(source, index)
-def timed_save(*args, **kwargs):
-    save(*args, **kwargs)
-    writes.append(time.perf_counter())
-P.layer_tensors, P.save_file = timed_read, timed_save
-P.prepare(ckpt, out, dtype="bfloat16", progress=False, server_quant=scheme,
-          quant_method=None if method == "none" else method)
-served = sorted(reads)[1:]
-json.dump([writes[k] - reads[i] for k, i in enumerate(served)], open(timings, "w"))
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from bench.sections.prepare_big import timed_prepare
+json.dump(timed_prepare(*sys.argv[3:7]), open(sys.argv[2], "w"))
 """
 # (scheme, method), each named explicitly; DEFAULTS: what prepare picks for a scheme without --quant-method
 METHODS = (("none", "none"), ("int8", "rtn"), ("int8", "gptq"), ("int4", "rtn"), ("int4", "hqq"), ("int4", "gptq"))
@@ -73,6 +60,32 @@ class MethodRow:
     layer_seconds: float     # one served layer, read to written
     full_seconds: float      # estimated for all FULL_DEPTH layers
     peak_rss_mb: float
+
+
+def timed_prepare(checkpoint: str, out: str, scheme: str, method: str) -> list[float]:
+    """Prepare bf16 bundles with a clock on each served layer: seconds from the call that reads it (layer_tensors)
+    to the end of the save_file that writes it (the served layers' files are the first ones prepare writes)."""
+    import infemeral.cloak.prepare as P
+
+    reads, writes = {}, []
+    read_layer, save = P.layer_tensors, P.save_file
+
+    def timed_read(source, index):
+        reads[index] = now()
+        return read_layer(source, index)
+
+    def timed_save(*args, **kwargs):
+        save(*args, **kwargs)
+        writes.append(now())
+
+    P.layer_tensors, P.save_file = timed_read, timed_save
+    try:
+        bundles = P.prepare(checkpoint, out, dtype="bfloat16", progress=False, server_quant=scheme,
+                            quant_method=None if method == "none" else method)
+    finally:
+        P.layer_tensors, P.save_file = read_layer, save
+    first = json.loads((bundles.server_dir / "manifest.json").read_text())["first_layer"]
+    return [writes[k] - reads[i] for k, i in enumerate(sorted(i for i in reads if i >= first))]
 
 
 @dataclass
@@ -133,8 +146,8 @@ def method_times(wb, random_checkpoint) -> tuple[str, int, list[MethodRow]]:
                 log("  int4 hqq skipped: the hqq package is not installed (pip install 'infemeral[quant]')")
                 continue
             out = wb.tmp / f"methods-{scheme}-{method}"
-            measured = run_measured([sys.executable, "-c", TIMED_PREPARE, str(ckpt), str(out), str(timings),
-                                     scheme, method])
+            measured = run_measured([sys.executable, "-c", TIMED_PREPARE, str(Path(__file__).parents[2]),
+                                     str(timings), str(ckpt), str(out), scheme, method])
             shutil.rmtree(out, ignore_errors=True)
             per_layer = json.loads(timings.read_text())
             layer = sum(per_layer) / len(per_layer)
