@@ -43,7 +43,6 @@ from infemeral.kvcache.cache import KVCache
 from infemeral.kvcache.paged import PagedSequence
 from infemeral.kvcache.window import WindowPolicy
 from infemeral.server.config import EngineConfig
-from infemeral.server.app import service_limits
 from infemeral.server.engine import Engine
 from infemeral.server.settings import ServerSettings
 from infemeral.server.turn import TurnStatus
@@ -405,7 +404,7 @@ def test_without_api_keys_one_client_address_holds_at_most_its_turns(bundle, tmp
     settings = ServerSettings(max_sessions=8, max_sessions_per_peer=2)
     assert settings.engine_config(num_api_keys=0).max_sessions_per_peer == 2
     assert settings.engine_config(num_api_keys=1).max_sessions_per_peer == 0  # keys tell clients apart instead
-    assert service_limits(settings).max_streams_per_peer == 8  # the same share of the 32 streams
+    assert settings.service_limits().max_streams_per_peer == 8  # the same share of the 32 streams
     quiet = peer_account("ipv4:10.0.0.7:40001")
     assert quiet == peer_account("ipv4:10.0.0.7:40002") == "ipv4:10.0.0.7"  # the port does not count
     assert peer_account("ipv6:%5B2001:db8::1%5D:40001") == "ipv6:2001:db8::1"

@@ -19,10 +19,10 @@ from infemeral.cloak.bundle import DTYPES, ServerBundle
 from infemeral.errors import InvalidArgument
 from infemeral.kvcache.prefix import common_prefix
 from infemeral.quant.served import load_stack
-from infemeral.server.settings import ServerSettings
+from infemeral.server.config import EngineConfig
 
 # A fresh session sends its prompt in steps of at most the server's max_step_tokens.
-STEP_TOKENS = ServerSettings.model_fields["max_step_tokens"].default
+STEP_TOKENS = EngineConfig.max_step_tokens
 
 
 @dataclass

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import signal
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +23,6 @@ from grpc_reflection.v1alpha import reflection
 
 from infemeral.cloak.bundle import ServerBundle
 from infemeral.protocol import SERVICE_NAME, pb_grpc
-from infemeral.server.config import ServiceLimits
 from infemeral.server.engine import Engine
 from infemeral.server.listen import CannotListen, ListenAddress, bind_all, reason
 from infemeral.server.metrics import Metrics
@@ -42,20 +40,6 @@ WIRE_OVERHEAD = 1 << 16
 MAINTENANCE_SECONDS = 5.0
 PORT_ZERO_ATTEMPTS = 5  # port 0 on a host name: the port the first address got may be taken on another
 FAILURE_GRACE_SECONDS = 2.0  # a server whose ranks were lost: time for open turns to hear UNAVAILABLE
-
-
-def service_limits(settings: ServerSettings, num_api_keys: int = 0) -> ServiceLimits:
-    max_streams = settings.max_streams or 4 * settings.max_sessions
-    sessions_per_key, _ = settings.limits_per_key(num_api_keys)
-    sessions_per_peer = settings.limit_per_peer(num_api_keys)
-
-    def streams(sessions: int) -> int:  # one key or address may hold the same share of the streams as of the turns
-        return math.ceil(max_streams * sessions / settings.max_sessions) if sessions else 0
-
-    return ServiceLimits(max_streams=max_streams, max_streams_per_key=streams(sessions_per_key),
-                         max_streams_per_peer=streams(sessions_per_peer),
-                         turn_idle_seconds=settings.turn_idle_seconds, max_turn_seconds=settings.max_turn_seconds,
-                         delete_threads=settings.workers)
 
 
 class Server:
@@ -122,7 +106,7 @@ class Server:
             if verified is not None:
                 verified.result()  # also when the load failed: a file that does not match explains it best
         warm_up(self.engine)  # the kernels' one-time set-up, before health says SERVING, not in a user's turn
-        self.service = InfemeralService(self.engine, service_limits(s, len(set(keys))), self.max_message_bytes,
+        self.service = InfemeralService(self.engine, s.service_limits(len(set(keys))), self.max_message_bytes,
                                         bundle_verified=s.verify_bundle)
         self.metrics.pool_total.set(self.engine.pool.num_pages)
         self.metrics.pool_used.set_function(lambda: self.engine.pool.num_pages - self.engine.pool.free_pages)
