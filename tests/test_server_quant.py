@@ -51,10 +51,12 @@ def test_rtn_codes_are_within_half_a_step(symmetric):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int4_linear_matches_its_dequantised_weight_through_the_cpu_kernel(dtype):
+    """The CPU kernel runs bfloat16 activations only: float32 ones dequantise (its float32 loop is scalar)."""
     w = outlier_weight(48, 128)
     stored = int4.quantize_rtn(w, 32)
     bias = torch.randn(48)
-    for use_kernel, kernel in ((True, "cpu"), (False, "dequantize")):
+    kernel_here = "cpu" if dtype == torch.bfloat16 else "dequantize"
+    for use_kernel, kernel in ((True, kernel_here), (False, "dequantize")):
         with torch.device("meta"):
             linear = int4.Int4Linear(128, 48, 32, bias=True, use_kernel=use_kernel)
         linear.load_state_dict({"qweight": stored["qweight"], "scales": stored["scales"].to(dtype),
@@ -68,17 +70,18 @@ def test_int4_linear_matches_its_dequantised_weight_through_the_cpu_kernel(dtype
 
 
 def test_shapes_without_a_kernel_are_said_and_dequantised(caplog):
-    kind, reason = int4.kernel_for(torch.device("cpu"), torch.float32, 24, 128, 32)
+    kind, reason = int4.kernel_for(torch.device("cpu"), torch.bfloat16, 24, 128, 32)
     assert kind is None and "multiple of 16" in reason
-    assert int4.kernel_for(torch.device("cpu"), torch.float32, 32, 96, 64)[0] is None  # 64 does not divide 96
-    assert int4.kernel_for(torch.device("meta"), torch.float32, 32, 128, 32) == (None, "no int4 kernel on meta")
+    assert int4.kernel_for(torch.device("cpu"), torch.bfloat16, 32, 96, 64)[0] is None  # 64 does not divide 96
+    assert int4.kernel_for(torch.device("meta"), torch.bfloat16, 32, 128, 32) == (None, "no int4 kernel on meta")
     w = outlier_weight(24, 128)
     stored = int4.quantize_rtn(w, 32)
     with torch.device("meta"):
         linear = int4.Int4Linear(128, 24, 32, bias=False)
     int4._warned.clear()
     with caplog.at_level("WARNING"):
-        linear.load_state_dict(stored, assign=True)
+        linear.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in stored.items()},
+                               assign=True)
     assert linear.kernel == "dequantize" and "dequantising them on every call" in caplog.text
     x = torch.randn(3, 128)
     assert torch.allclose(linear(x), x @ int4.dequantize(**stored).T, atol=1e-5)
@@ -121,6 +124,15 @@ def test_int4_dequantised_in_float32_is_unchanged():
     groups = int4.group_view(int4.unpack_nibbles(stored["qweight"]), 64).float()
     want = (groups - 8) * stored["scales"].float().unsqueeze(-1) + stored["zeros"].float().unsqueeze(-1)
     assert torch.equal(int4.dequantize(**stored), want.reshape(48, 128))
+
+
+def test_int4_on_a_cpu_runs_its_kernel_in_bfloat16_only():
+    """The CPU kernel's float32 and float16 paths are scalar loops (0.19 s for 256 rows of a 576x576 weight,
+    1 ms in bfloat16): a float32 or float16 layer dequantises instead, and the reason says how to get the kernel."""
+    assert int4.kernel_for(torch.device("cpu"), torch.bfloat16, 64, 128, 32) == ("cpu", "")
+    for dtype in (torch.float32, torch.float16):
+        kind, reason = int4.kernel_for(torch.device("cpu"), dtype, 64, 128, 32)
+        assert kind is None and "bfloat16" in reason and str(dtype) in reason
 
 
 def test_int4_on_cuda_takes_bfloat16_only():
@@ -279,8 +291,9 @@ def test_quantised_layers_run_through_their_kernels_close_to_float(prepared):
     for kind in ("int8-rtn", "int4-rtn", "int4-hqq", "int4-gptq", "int4-rtn-all"):
         bundle = ServerBundle.open(prepared[kind].server_dir)
         stack = served.load_stack(bundle, torch.float32)
-        expected = {"int8": {"int8 _weight_int8pack_mm": 14}, "int4-rtn-all": {"int4 cpu": 14}}.get(
-            kind[:4] if kind.startswith("int8") else kind, {"int4 cpu": 10, "int8 _weight_int8pack_mm": 4})
+        int8_kernel = f"int8 _weight_int8pack_mm up to {int8.CPU_UNVECTORISED_MAX_ROWS} rows, dequantize above"
+        expected = {"int8": {int8_kernel: 14}, "int4-rtn-all": {"int4 dequantize": 14}}.get(  # float32: see above
+            kind[:4] if kind.startswith("int8") else kind, {"int4 dequantize": 10, int8_kernel: 4})
         assert served.kernels_in_use(stack) == expected
         got = stack(x, stack.new_cache()) - x
         errors[kind] = float((got - want).norm() / want.norm())
@@ -373,17 +386,24 @@ def test_int8_codes_that_start_anywhere_in_memory_run_through_the_kernel():
     assert float((linear(x).float() - want).norm() / want.norm()) < 1e-2
 
 
-@pytest.mark.parametrize("rows, on_cuda", [(1, True), (4, True), (5, False), (64, False)])
-def test_int8_kernel_runs_on_cuda_for_a_few_rows_and_on_a_cpu_for_any(monkeypatch, rows, on_cuda):
-    """CUDA's `_weight_int8pack_mm` has no tensor cores and reads the weight once per row: a prefill there
-    multiplies the dequantised weight instead. The CPU kernel takes any number of rows."""
+@pytest.mark.parametrize("rows, on_cuda, on_cpu_unvectorised", [(1, True, True), (4, True, True), (5, False, True),
+                                                                 (8, False, True), (9, False, False),
+                                                                 (64, False, False)])
+def test_int8_kernel_runs_few_rows_on_cuda_and_in_float32_on_a_cpu(monkeypatch, rows, on_cuda, on_cpu_unvectorised):
+    """CUDA's `_weight_int8pack_mm` has no tensor cores and reads the weight once per row, and the CPU kernel
+    is a scalar loop for float32 and float16: a prefill there multiplies the dequantised weight instead. The
+    CPU kernel takes any number of bfloat16 rows (vectorised)."""
     monkeypatch.setattr(int8, "has_int8_kernel", lambda device_type, dtype: True)  # as on a GPU that has it
     assert int8.uses_int8_kernel("cuda", torch.bfloat16, rows, 128) is on_cuda
     assert int8.uses_int8_kernel("cpu", torch.bfloat16, rows, 128)
+    for dtype in (torch.float32, torch.float16):
+        assert int8.uses_int8_kernel("cpu", dtype, rows, 128) is on_cpu_unvectorised
     assert not int8.uses_int8_kernel("cpu", torch.bfloat16, rows, 120)  # not a multiple of 16: never the kernel
     assert int8.kernel_in_use("cuda", torch.bfloat16, 128) == (
         f"_weight_int8pack_mm up to {int8.CUDA_KERNEL_MAX_ROWS} rows, dequantize above")
     assert int8.kernel_in_use("cpu", torch.bfloat16, 128) == "_weight_int8pack_mm"
+    assert int8.kernel_in_use("cpu", torch.float32, 128) == (
+        f"_weight_int8pack_mm up to {int8.CPU_UNVECTORISED_MAX_ROWS} rows, dequantize above")
     assert int8.kernel_in_use("cuda", torch.bfloat16, 120) == "dequantize"
     asked = []
     monkeypatch.setattr(int8, "uses_int8_kernel", lambda *a: asked.append(a) or False)
@@ -404,3 +424,18 @@ def test_int8_matmul_on_a_cpu_is_unchanged(dtype, width):
     else:
         want = x @ ((codes.float() * s.float().unsqueeze(-1)).to(dtype)).T
     assert torch.equal(int8.int8_matmul(x, codes, scales), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_int8_matmul_of_many_float_rows_on_a_cpu_dequantises_within_rounding_of_the_kernel(dtype):
+    """Past the CPU row limit float32 and float16 rows multiply x @ (codes * scales)ᵀ: the kernel's
+    numbers within rounding, and exactly that product."""
+    codes, scales = int8.quantize_rows(outlier_weight(48, 128))
+    rows = int8.CPU_UNVECTORISED_MAX_ROWS + 1
+    x = torch.randn(rows, 128).to(dtype)
+    s = scales.to(dtype)
+    got = int8.int8_matmul(x, codes, scales)
+    kernel = torch.ops.aten._weight_int8pack_mm(x, codes, s)
+    assert torch.equal(got, x @ (codes.to(dtype) * s.unsqueeze(-1)).T)
+    assert float((got.float() - kernel.float()).norm() / kernel.float().norm()) < (1e-6 if dtype == torch.float32
+                                                                                    else 1e-3)

@@ -6,7 +6,9 @@ scale s and a zero z, and its codes q are 0..15:
     w ≈ (q - 8) · s + z
 
 which is exactly what torch's int4 kernels compute (`aten._weight_int4pack_mm_for_cpu` on x86 CPUs,
-`aten._weight_int4pack_mm`, the "tinygemm" kernel, on CUDA GPUs from Ampere on, bf16 activations only):
+`aten._weight_int4pack_mm`, the "tinygemm" kernel, on CUDA GPUs from Ampere on; both run bf16 activations
+only here: tinygemm takes nothing else, and the CPU kernel is vectorised for bf16 alone, float32 and
+float16 taking a scalar loop hundreds of times slower than dequantising, docs/server_quant.md):
 z is a float offset, so symmetric and asymmetric grids and the fitted ones of HQQ and GPTQ all fit the
 same format.
 
@@ -158,6 +160,9 @@ def kernel_for(device: torch.device, dtype: torch.dtype, out_features: int, in_f
     if device.type == "cpu":
         if out_features % 16 or in_features % 2:
             return None, f"{out_features} output rows (the CPU kernel needs a multiple of 16)"
+        if dtype != torch.bfloat16:
+            return None, (f"{dtype} activations: the CPU int4 kernel is fast in bfloat16 only "
+                          "(serve with --dtype bfloat16 to use it)")
         return ("cpu", "") if _probe("cpu", dtype) else (None, f"no int4 CPU kernel for {dtype} activations")
     if device.type == "cuda":
         if dtype != torch.bfloat16:

@@ -7,7 +7,8 @@ output row halve the read against bf16 and quarter it against fp32. The matmul i
 `aten._weight_int8pack_mm` (activations in the compute dtype, int8 weights [N, K], scales [N]), fast on
 x86 CPUs with bf16 activations. Its CUDA version uses no tensor cores and reads the whole weight again for
 every activation row, so on CUDA it runs only a few rows (a decode step) and a longer input multiplies
-the weights dequantised into its dtype. Where the kernel cannot run (no kernel for the device, or a width
+the weights dequantised into its dtype. The CPU version is vectorised for bf16 alone: float32 and float16
+activations take a scalar loop there, so beyond a few rows they too multiply the dequantised weights. Where the kernel cannot run (no kernel for the device, or a width
 that is not a multiple of 16, which the CPU kernel reads in blocks of 16 without checking) the weights
 are dequantised for the call too: slower, same numbers.
 
@@ -34,6 +35,9 @@ _ALIGN = 64
 # Chosen from a reading of the kernel (no tensor cores, one pass over the weight per row), not measured yet:
 # to be measured on a GPU.
 CUDA_KERNEL_MAX_ROWS = 4
+# Most float32 or float16 activation rows the CPU kernel multiplies (bf16 takes any number): its scalar loop
+# costs as much per row as dequantising the weight does once (measured in docs/server_quant.md).
+CPU_UNVECTORISED_MAX_ROWS = 8
 KERNEL = "_weight_int8pack_mm"
 
 
@@ -82,18 +86,27 @@ def aligned(t: torch.Tensor) -> torch.Tensor:
 
 def uses_int8_kernel(device_type: str, dtype: torch.dtype, rows: int, in_features: int) -> bool:
     """Whether `int8_matmul` multiplies `rows` activations through the kernel (else: the dequantised weight)."""
-    if in_features % 16 or (device_type == "cuda" and rows > CUDA_KERNEL_MAX_ROWS):
+    max_rows = kernel_max_rows(device_type, dtype)
+    if in_features % 16 or (max_rows is not None and rows > max_rows):
         return False
     return has_int8_kernel(device_type, dtype)
+
+
+def kernel_max_rows(device_type: str, dtype: torch.dtype) -> int | None:
+    """Most activation rows the kernel multiplies on this device in this dtype (None: any number)."""
+    if device_type == "cuda":
+        return CUDA_KERNEL_MAX_ROWS
+    if device_type == "cpu" and dtype != torch.bfloat16:
+        return CPU_UNVECTORISED_MAX_ROWS
+    return None
 
 
 def kernel_in_use(device_type: str, dtype: torch.dtype, in_features: int) -> str:
     """What multiplies an Int8Linear's inputs here, in words (for the log and `served.kernels_in_use`)."""
     if not uses_int8_kernel(device_type, dtype, 1, in_features):
         return "dequantize"
-    if device_type == "cuda":
-        return f"{KERNEL} up to {CUDA_KERNEL_MAX_ROWS} rows, dequantize above"
-    return KERNEL
+    max_rows = kernel_max_rows(device_type, dtype)
+    return KERNEL if max_rows is None else f"{KERNEL} up to {max_rows} rows, dequantize above"
 
 
 def int8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
