@@ -8,9 +8,10 @@ output row halve the read against bf16 and quarter it against fp32. The matmul i
 x86 CPUs with bf16 activations. Its CUDA version uses no tensor cores and reads the whole weight again for
 every activation row, so on CUDA it runs only a few rows (a decode step) and a longer input multiplies
 the weights dequantised into its dtype. The CPU version is vectorised for bf16 alone: float32 and float16
-activations take a scalar loop there, so beyond a few rows they too multiply the dequantised weights. Where the kernel cannot run (no kernel for the device, or a width
-that is not a multiple of 16, which the CPU kernel reads in blocks of 16 without checking) the weights
-are dequantised for the call too: slower, same numbers.
+activations take a scalar loop there, so beyond a few rows they too multiply the dequantised weights.
+Where the kernel cannot run (no kernel for the device, or a width that is not a multiple of 16, which the
+CPU kernel reads in blocks of 16 without checking) the weights are dequantised for the call too: slower,
+same numbers.
 
 Scales are rounded to bfloat16 before the codes are chosen, so the codes fit exactly the scale the
 kernel multiplies by when activations are bf16, and a bundle stores each scale once, losslessly.
