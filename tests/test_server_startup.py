@@ -149,8 +149,7 @@ def test_a_server_that_skipped_checking_its_bundle_says_so_and_the_client_warns(
         assert client_main(["info", "--json", "--server", address, "--client-bundle", str(tiny.client_dir)]) == 0
         assert json.loads(capsys.readouterr().out)["bundle_unverified"] is (not verify)
         with ServerLink(address, tiny.client_dir) as link:  # a Client's fetch, without the tokenizer tiny lacks
-            client = SimpleNamespace(_info=None, stub=link.stub, timeout=30, address=address,
-                                     model=SimpleNamespace(hidden_size=srv.engine.hidden_size))
+            client = SimpleNamespace(_info=None, link=link, model=SimpleNamespace(hidden_size=srv.engine.hidden_size))
             assert Client.server_info(client).bundle_unverified is (not verify)
             Client.server_info(client)  # fetched once: said once
     finally:

@@ -80,9 +80,7 @@ def _open_client(settings: ClientSettings):
     if settings.speculate == "head" and head is None:
         raise InfemeralError("--speculate head needs --draft-head PATH (`infemeral-client train-drafter` trains one "
                              "for your model)")
-    client = Client(settings.server, settings.client_bundle, **settings.connection(),
-                    client_dtype=settings.client_dtype, client_device=settings.client_device,
-                    client_quant=settings.client_quant)
+    client = Client.from_settings(settings)
     try:
         if settings.speculate != "off" and settings.answer_index:
             client.answer_index = AnswerIndex.for_tokenizer(settings.answer_index_dir, client.tokenizer,

@@ -1,6 +1,6 @@
 """The Python SDK's entry: a `Client` bound to a server and a client bundle, which opens chat `Session`s.
 
-The client holds what every session shares: the gRPC channel, the laptop's
+The client holds what every session shares: the link to the server, the laptop's
 half of the model, the tokenizer and chat template, and the draft sources.
 
     from infemeral import Client
@@ -14,25 +14,27 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import grpc
 import torch
 
 from infemeral.client.model.half import ClientModel
 from infemeral.client.result import TurnResult
 from infemeral.client.sampling import SamplingParams
-from infemeral.client.server_link import warn_if_unverified
+from infemeral.client.server_link import ServerLink
 from infemeral.client.session import Session
 from infemeral.client.settings import ClientSettings
 from infemeral.client.template import ChatTemplate
 from infemeral.cloak.bundle import ClientBundle
-from infemeral.errors import FailedPrecondition, NoChatTemplate, from_rpc_error
-from infemeral.protocol import pb, pb_grpc
+from infemeral.errors import FailedPrecondition, NoChatTemplate
+from infemeral.protocol import pb
 from infemeral.protocol.tensors import WIRE_DTYPES
 from infemeral.speculation.answer_index import AnswerIndex
 from infemeral.speculation.draft_length import SourceHistory
 from infemeral.speculation.source import DraftSource
 from infemeral.speculation.step_cost import StepCost
-from infemeral.transport import client_channel
+
+# A turn's stream carries a prompt's hidden states in few messages, and stays open between a slow laptop's steps.
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20),
+                   ("grpc.keepalive_time_ms", 30_000)]
 
 
 class Client:
@@ -80,14 +82,10 @@ class Client:
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
         self.timeout = timeout
-        self.address = server
-        self.channel = client_channel(server, tls_ca=tls_ca, client_cert=tls_client_cert, client_key=tls_client_key,
-                                      server_name=tls_server_name, api_key=api_key, options=(options or []) + [
-            ("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20),
-            ("grpc.keepalive_time_ms", 30_000)])
-        if interceptors:
-            self.channel = grpc.intercept_channel(self.channel, *interceptors)
-        self.stub = pb_grpc.InfemeralStub(self.channel)
+        self.link = ServerLink(server, settings.client_bundle, timeout=timeout, tls_ca=tls_ca,
+                               tls_client_cert=tls_client_cert, tls_client_key=tls_client_key,
+                               tls_server_name=tls_server_name, api_key=api_key,
+                               options=(options or []) + CHANNEL_OPTIONS, interceptors=interceptors)
         self._info: pb.ServerInfo | None = None
         if answer_index is not None and not isinstance(answer_index, AnswerIndex):
             answer_index = AnswerIndex.for_tokenizer(answer_index, self.tokenizer, vocab_size=max(
@@ -106,14 +104,33 @@ class Client:
         self.step_cost = StepCost()  # what a step of each size costs on this link, learnt across sessions
         self.draft_history: dict[str, SourceHistory] = {}  # each draft source's acceptance and cost, ditto
 
+    @classmethod
+    def from_settings(cls, settings: ClientSettings) -> "Client":
+        """From a `ClientSettings` (the command line's and the endpoint's): its server, bundle, connection and
+        how the laptop's half computes. Draft sources and the answer index are the caller's to add."""
+        return cls(settings.server, settings.client_bundle, **settings.connection(),
+                   client_dtype=settings.client_dtype, client_device=settings.client_device,
+                   client_quant=settings.client_quant)
+
     # -- server -------------------------------------------------------------------------------
+    @property
+    def address(self) -> str:
+        return self.link.address
+
+    @property
+    def channel(self):
+        """The link's gRPC channel: the one every call of this client travels on."""
+        return self.link.channel
+
+    @property
+    def stub(self):
+        """The link's stub: a turn's stream is opened on it."""
+        return self.link.stub
+
     def server_info(self, refresh: bool = False) -> pb.ServerInfo:
+        """The server's info, fetched once (again with `refresh`) and checked against this client's model."""
         if self._info is None or refresh:
-            try:
-                self._info = self.stub.GetServerInfo(pb.ServerInfoRequest(), timeout=min(self.timeout, 30))
-            except grpc.RpcError as e:
-                raise from_rpc_error(e) from None
-            warn_if_unverified(self._info, self.address)
+            self._info = self.link.server_info()
             if self._info.hidden_size != self.model.hidden_size:
                 raise FailedPrecondition(f"server serves hidden size {self._info.hidden_size}, this client bundle "
                                          f"has {self.model.hidden_size}: they belong to different models")
@@ -157,7 +174,7 @@ class Client:
                 session.delete()
 
     def close(self) -> None:
-        self.channel.close()
+        self.link.close()
 
     def __enter__(self) -> "Client":
         return self

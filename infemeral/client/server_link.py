@@ -1,8 +1,9 @@
-"""A channel to the server beside the client bundle's manifest, without the model.
+"""The one channel to the server, beside the client bundle's manifest, without the model.
 
-What `infemeral-client info` and `delete` need: they ask the server something
-about a bundle or a session and load neither torch nor the laptop's half, so
-they answer in well under a second. `Client` is the full SDK.
+A `Client` (the full SDK) makes every call through the `ServerLink` it holds.
+`infemeral-client info` and `delete` use one alone: they ask the server
+something about a bundle or a session and load neither torch nor the laptop's
+half, so they answer in well under a second.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from infemeral.transport import client_channel
 
 log = logging.getLogger(__name__)
 
-RPC_TIMEOUT = 30.0  # seconds for one of these small calls (a Client's own calls use the same bound)
+RPC_TIMEOUT = 30.0  # most seconds for one small call (server info, delete); a turn takes the Client's timeout
 
 
 def warn_if_unverified(info: pb.ServerInfo, address: str) -> None:
@@ -32,16 +33,21 @@ def warn_if_unverified(info: pb.ServerInfo, address: str) -> None:
 
 
 class ServerLink:
-    """The server's stub over a channel set up as a `Client`'s (TLS, API key), and the client bundle's manifest."""
+    """The server's stub over one channel (TLS, API key, then `interceptors`), and the client bundle's manifest.
+
+    `options` are gRPC channel options; `timeout` bounds each small call, at most `RPC_TIMEOUT`."""
 
     def __init__(self, server: str, client_bundle: str | Path, *, timeout: float = RPC_TIMEOUT,
-                 tls_ca: Path | None = None, tls_client_cert: Path | None = None,
-                 tls_client_key: Path | None = None, tls_server_name: str | None = None, api_key: str | None = None):
+                 tls_ca: str | Path | None = None, tls_client_cert: str | Path | None = None,
+                 tls_client_key: str | Path | None = None, tls_server_name: str | None = None,
+                 api_key: str | None = None, options: list | None = None, interceptors: list | None = None):
         self.manifest = client_manifest(client_bundle)
         self.address = server
         self.timeout = min(timeout, RPC_TIMEOUT)
         self.channel = client_channel(server, tls_ca=tls_ca, client_cert=tls_client_cert, client_key=tls_client_key,
-                                      server_name=tls_server_name, api_key=api_key)
+                                      server_name=tls_server_name, api_key=api_key, options=options)
+        if interceptors:
+            self.channel = grpc.intercept_channel(self.channel, *interceptors)
         self.stub = pb_grpc.InfemeralStub(self.channel)
 
     @classmethod
@@ -55,6 +61,7 @@ class ServerLink:
         return self.manifest["server_fingerprint"]
 
     def server_info(self) -> pb.ServerInfo:
+        """The server's info, fetched now (warning once if the server did not check its bundle)."""
         try:
             info = self.stub.GetServerInfo(pb.ServerInfoRequest(), timeout=self.timeout)
         except grpc.RpcError as e:
@@ -63,7 +70,7 @@ class ServerLink:
         return info
 
     def delete_session(self, session_id: bytes, key: bytes) -> None:
-        """Remove a session's stored state from the server (what `Session.delete` does)."""
+        """Remove a session's stored state from the server (`Session.delete`, and `infemeral-client delete`)."""
         try:
             self.stub.DeleteSession(pb.DeleteSessionRequest(session_id=session_id, session_key=key),
                                     timeout=self.timeout)

@@ -22,8 +22,6 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
-
 from infemeral.client import session_file
 from infemeral.client.pending import PendingCommit
 from infemeral.client.result import TurnResult
@@ -31,7 +29,7 @@ from infemeral.client.sampling import SamplingParams
 from infemeral.client.session_file import SavedSession
 from infemeral.client.stream import open_turn
 from infemeral.client.turn import TurnLoop
-from infemeral.errors import Aborted, InfemeralError, from_rpc_error
+from infemeral.errors import Aborted, InfemeralError
 from infemeral.kvcache.cache import KVCache
 from infemeral.kvcache.prefix import common_prefix
 from infemeral.protocol import pb
@@ -193,11 +191,7 @@ class Session:
     # -- lifecycle ----------------------------------------------------------------------------
     def delete(self) -> None:
         """Remove the session's stored state from the server."""
-        try:
-            self.client.stub.DeleteSession(pb.DeleteSessionRequest(session_id=self.id, session_key=self.key),
-                                           timeout=min(self.client.timeout, 30))
-        except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
+        self.client.link.delete_session(self.id, self.key)
         self.version = 0
 
     def save(self, path: str | Path) -> Path:
