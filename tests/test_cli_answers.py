@@ -5,6 +5,7 @@ and the sampling defaults (greedy one flag away)."""
 from __future__ import annotations
 
 import io
+import logging
 import shutil
 import signal
 
@@ -70,9 +71,10 @@ def test_no_server_there_says_where_and_how_to_start_one(capsys, bundles, tmp_pa
         "(INFEMERAL_SERVER) at a running one")
 
 
-def test_a_broken_chat_template_is_one_line_naming_its_file(capsys, bundles, tmp_path):
+def test_a_broken_chat_template_is_one_line_naming_its_file(capsys, caplog, bundles, tmp_path):
     """Before any connection: through the tokenizer transformers loads (the edit makes the resolved file stale),
     then through the resolved one that start wrote again."""
+    caplog.set_level(logging.WARNING)  # as in a fresh process: a server started in this one may have left INFO
     bundle = tmp_path / "bundle"
     bundle.mkdir()
     for item in bundles.client_dir.iterdir():  # the weights linked, the tokenizer copied to be broken
