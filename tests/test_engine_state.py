@@ -24,6 +24,7 @@ gRPC), so these run in seconds. What they check:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import threading
@@ -636,6 +637,24 @@ def wait_for(predicate, timeout: float = 5.0) -> bool:
     return predicate()
 
 
+@contextlib.contextmanager
+def arriving_together(engine):
+    """Steps submitted inside reach the engine's worker in one go when the block ends (held back, then queued
+    under the queue's own lock), instead of racing it one by one: whether two steps share a forward pass no
+    longer depends on how fast the worker wakes."""
+    q, held = engine._queue, []
+    q.put = held.append
+    try:
+        yield
+    finally:
+        del q.put
+        with q.mutex:
+            for item in held:
+                q._put(item)
+            q.unfinished_tasks += len(held)
+            q.not_empty.notify()
+
+
 def test_an_overflowed_step_fails_only_its_turn(bundle, tmp_path):
     """Rows that are finite as sent (float32) but past float16's range overflow in a float16 server. That turn
     fails (INVALID_ARGUMENT) and stores nothing; a turn stepping beside it, in the same batches, carries on."""
@@ -654,21 +673,18 @@ def test_an_overflowed_step_fails_only_its_turn(bundle, tmp_path):
             return real_run(caches, hidden, num_outputs)
 
         engine.runner.run = recording_run
-        for _ in range(20):  # until both steps shared one forward pass
+        with arriving_together(engine):  # both steps reach the worker at once, so they share one forward pass
             healthy = engine.submit_step(ta, torch.randn(1, HIDDEN, dtype=torch.float16), a.length)
             huge = engine.submit_step(tb, torch.full((2, HIDDEN), 1e5), b.length)
-            with pytest.raises(InvalidArgument, match=r"overflowed to inf/NaN in the server's float16.*nothing "
-                                                      "was committed"):
-                huge.result(timeout=10)
-            assert torch.isfinite(healthy.result(timeout=10).hidden).all()
-            a.length += 1
-            assert tb.status is TurnStatus.FAILED
-            with pytest.raises(Aborted, match="this turn failed"):
-                engine.commit(tb)
-            engine.close_turn(tb)
-            if {id(ta.cache), id(tb.cache)} <= batches[-1]:
-                break
-            tb = b.open()
+        with pytest.raises(InvalidArgument, match=r"overflowed to inf/NaN in the server's float16.*nothing "
+                                                  "was committed"):
+            huge.result(timeout=10)
+        assert torch.isfinite(healthy.result(timeout=10).hidden).all()
+        a.length += 1
+        assert tb.status is TurnStatus.FAILED
+        with pytest.raises(Aborted, match="this turn failed"):
+            engine.commit(tb)
+        engine.close_turn(tb)
         assert {id(ta.cache), id(tb.cache)} <= batches[-1], "the two steps never shared a batch"
         a.commit(ta)
         engine.close_turn(ta)
