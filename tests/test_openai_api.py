@@ -659,7 +659,7 @@ def test_serve_command_answers_and_deletes_its_sessions_on_exit(server, bundles,
                 assert proc.poll() is None and time.monotonic() < deadline, "serve did not start"
                 time.sleep(0.2)
         assert name == bundle_model_name(bundles.client_dir)
-        reply = api.chat.completions.create(model=name, messages=QUESTION)
+        reply = api.chat.completions.create(model=name, messages=QUESTION, temperature=0)  # the bundle samples
         assert reply.choices[0].message.content == sdk_answer(client, QUESTION).text
         assert len(stored_sessions(server) - stored_before) == 1  # the endpoint's session, kept for reuse
     finally:

@@ -363,3 +363,8 @@ def test_packaged_model_records_its_authors_sampling_and_the_client_samples_with
     assert chat_defaults(config) == {"temperature": 0.2, "top_p": 0.9}
     own = ClientBundle.open(do_prepare(tmp_path / "own").client_dir).generation_config()
     assert not own.do_sample and chat_defaults(own)["temperature"] == 0.7
+    # the model handed in keeps its own generation config: the bundle's sampling is written on a copy
+    model = tiny_model()
+    before = model.generation_config.to_dict()
+    prepare(output=tmp_path / "in-memory", source=ModelSource(model, None, "packaged", packaged=True), progress=False)
+    assert model.generation_config.to_dict() == before

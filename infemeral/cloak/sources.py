@@ -135,7 +135,8 @@ class ModelSource(WeightSource):
         self.config = copy.deepcopy(model.config)
         self.description = description
         self.packaged = packaged
-        self._gen = getattr(model, "generation_config", None) or GenerationConfig.from_model_config(model.config)
+        self._gen = copy.deepcopy(getattr(model, "generation_config", None)
+                                  or GenerationConfig.from_model_config(model.config))  # prepare writes on it
         self._tokenizer = tokenizer
         self._tensors = dict(model.state_dict())
         if getattr(self.config, "tie_word_embeddings", False):
