@@ -117,9 +117,17 @@ def int8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> t
         scales = scales.to(x.dtype)
     if uses_int8_kernel(x.device.type, x.dtype, x.shape[0], codes.shape[1]):
         return torch.ops.aten._weight_int8pack_mm(aligned(x), aligned(codes), scales)
-    # The numbers of dequantising through float32 (with bf16 or fp16 scales each code * scale is exact in
-    # float32 before its one rounding to x's dtype), without a float32 copy of the weight.
-    return F.linear(x, codes.to(x.dtype) * scales.unsqueeze(-1))
+    return dequantized_matmul(x, codes, scales)
+
+
+def dequantized_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                       bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear of x with the weight dequantised straight into x's dtype: the numbers of dequantising through
+    float32 (with bf16-valued scales each code * scale is exact in float32 before its one rounding to x's
+    dtype), without a float32 copy of the weight."""
+    if scales.dtype != x.dtype:
+        scales = scales.to(x.dtype)
+    return F.linear(x, codes.to(x.dtype) * scales.unsqueeze(-1), bias)
 
 
 class Int8Linear(torch.nn.Module):

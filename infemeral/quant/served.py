@@ -197,7 +197,7 @@ class DequantizedInt8Linear(int8.Int8Linear):
     """An Int8Linear that never uses the kernel: dequantises its weight on every call (after a failed self-check)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(x, int8.dequantize_rows(self.weight, self.scale, x.dtype), self.bias)
+        return int8.dequantized_matmul(x, self.weight, self.scale, self.bias)
 
 
 def load_stack(bundle, dtype: torch.dtype, device: str | torch.device = "cpu", use_kernels: bool = True,
