@@ -65,14 +65,12 @@ def check_exposure(host: str, api_key: str | None) -> None:
 def check_port(host: str, port: int) -> None:
     """Try the address before the client loads and the banner is printed, as the server does: uvicorn would
     report a taken port only afterwards, as a raw errno."""
-    from infemeral.server.listen import CannotListen, ListenAddress, reason, try_bind
+    from infemeral.server.listen import CannotListen, ListenAddress, check_free
 
-    address = ListenAddress(host.strip("[]"), port)
-    for ip in address.resolve() if port else []:
-        try:
-            try_bind(ip, port)
-        except OSError as e:
-            raise CannotListen(f"cannot listen on {address}: {reason(e)} (pick another --port)") from None
+    try:
+        check_free(ListenAddress(host.strip("[]"), port))
+    except CannotListen as e:
+        raise CannotListen(f"{e} (pick another --port)") from None
 
 
 def check_server(client) -> None:
