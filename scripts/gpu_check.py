@@ -78,7 +78,7 @@ def environment():
 
 # -- 1. kernels -----------------------------------------------------------------------------------
 def check_kernels() -> list[Check]:
-    from infemeral.model.paged_attention import FlashInferBackend, torch_paged_attention
+    from infemeral.layers.paged_attention import FlashInferBackend, torch_paged_attention
 
     cases = {  # lengths, new tokens, heads, kv heads, window
         "decode, 3 q-heads per KV head (CUDA cores)": ([7, 100, 1000, 4000], [1] * 4, 9, 3, None),
@@ -173,8 +173,8 @@ def check_model(tmp: Path) -> list[Check]:
 # -- 3. throughput -------------------------------------------------------------------------------
 def check_throughput(num_layers: int, sessions: list[int], context: int, steps: int) -> list[Check]:
     from infemeral.kvcache.paged import PagePool
-    from infemeral.model.layers import LayerStack
-    from infemeral.model.paged_attention import FlashInferBackend, TorchBackend
+    from infemeral.layers.stack import LayerStack
+    from infemeral.layers.paged_attention import FlashInferBackend, TorchBackend
 
     dtype, page = torch.bfloat16, 16
     config = llama_config("llama-3-8b", num_layers)
@@ -344,8 +344,8 @@ def check_quantized_layers(num_layers: int, sessions: list[int], context: int, s
     """Random 8B-shaped layers, round-to-nearest int8 and int4 (default group): GPU memory of the weights and
     the decode step against bf16 (same weights, same pages), with the PyTorch attention backend."""
     from infemeral.kvcache.paged import PagePool
-    from infemeral.model.layers import LayerStack
-    from infemeral.model.paged_attention import TorchBackend
+    from infemeral.layers.stack import LayerStack
+    from infemeral.layers.paged_attention import TorchBackend
     from infemeral.quant import served
 
     dtype, page = torch.bfloat16, 16

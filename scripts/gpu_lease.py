@@ -66,7 +66,7 @@ from bench.harness import Target, at_least, at_most  # noqa: E402
 from gpu_workloads import (decode_rate, linear_shapes, llama_config, random_batch, random_layers,  # noqa: E402
                            steps_per_second, synchronize, write_bundle)
 
-from infemeral.model.layers import head_dim  # noqa: E402
+from infemeral.layers.stack import head_dim  # noqa: E402
 
 STAGES = ("env", "kernels", "attention", "self_check", "exactness", "throughput", "memory", "e2e")
 SHARES = {"env": 1, "kernels": 3, "attention": 12, "self_check": 3, "exactness": 7, "throughput": 6, "memory": 3,
@@ -652,7 +652,7 @@ def host_batch(csr) -> types.SimpleNamespace:
 
 
 def attention_backends(stage: Stage, heads: tuple[int, int, int], dtype: torch.dtype) -> dict:
-    from infemeral.model.paged_attention import FlashInferBackend, TorchBackend
+    from infemeral.layers.paged_attention import FlashInferBackend, TorchBackend
 
     backends = {"torch": TorchBackend()}
     if stage.flashinfer() is not None:
@@ -671,7 +671,7 @@ def compile_flashinfer(stage: Stage) -> None:
     window) compiled at once, one thread each, each timing its first call: nvcc runs at first use, and the
     threads overlap the compiles. ninja's jobs per module are cut so that all of them share the cores (each nvcc
     of these templates takes GBs of memory)."""
-    from infemeral.model.paged_attention import FlashInferBackend
+    from infemeral.layers.paged_attention import FlashInferBackend
 
     jobs = [(label, heads, kind, window) for label, heads in head_sets(stage.plan).items()
             for kind in ("decode", "prefill") for window in (None, 32)]
@@ -723,7 +723,7 @@ def place(q, k, v, csr, seq_q, seq_k, seq_v) -> None:
 def stage_attention(stage: Stage) -> None:
     """FlashInfer against the PyTorch backend (float32 reference on the same pages, NaN in every unused slot),
     first-call (compile) times, and whether one sequence's output depends on the batch it shares."""
-    from infemeral.model.paged_attention import torch_paged_attention
+    from infemeral.layers.paged_attention import torch_paged_attention
 
     plan, device, dtype = stage.plan, stage.device, stage.dtype
     if stage.flashinfer() is not None:
@@ -798,7 +798,7 @@ def stage_self_check(stage: Stage) -> None:
     """The server's start-up self-checks, run here: attention for each backend and dtype, and one served layer
     of a plain, an int8 and an int4 bundle (round-to-nearest) of each shape."""
     from infemeral.cloak.bundle import ServerBundle
-    from infemeral.model.paged_attention import FlashInferBackend, TorchBackend
+    from infemeral.layers.paged_attention import FlashInferBackend, TorchBackend
     from infemeral.quant import served
     from infemeral.server import self_check
 
@@ -847,7 +847,7 @@ def random_split(stage: Stage, config, served_layers: int, directory: Path):
     """A random model of `config`'s shape cut as the pod serves it: a float32 client half (embedding, layer 0 with
     real norm gains, final norm, LM head, a secret basis; on this device, where the 8B shape's LM head is cheap)
     and a bf16 server bundle of `served_layers` random served layers."""
-    from infemeral.client.model.half import ClientModel
+    from infemeral.client_half.half import ClientModel
     from infemeral.cloak.basis import random_orthogonal
     from infemeral.cloak.bundle import ServerBundle
     from infemeral.eval.client_precision import random_client_tensors
@@ -983,7 +983,7 @@ def plain_model(config, layers: list[dict], device: torch.device, dtype: torch.d
 
 @torch.inference_mode()
 def plain_decode_rate(model, sessions: int, context: int, steps: int, device, dtype) -> float:
-    from infemeral.model.architecture import cache_keyword
+    from infemeral.layers.architecture import cache_keyword
 
     d, keyword = model.config.hidden_size, cache_keyword(model)
 
@@ -1006,7 +1006,7 @@ def stage_throughput(stage: Stage) -> None:
     """Decode tokens/s of an 8B-shaped model's layers through the engine's layer path (each attention backend)
     and through plain transformers, at each session count, every session with `context` tokens cached."""
     from infemeral.kvcache.paged import PagePool
-    from infemeral.model.layers import LayerStack
+    from infemeral.layers.stack import LayerStack
 
     plan, device, dtype = stage.plan, stage.device, stage.dtype
     config = plan.big
@@ -1065,8 +1065,8 @@ def stage_memory(stage: Stage) -> None:
     one decode step of all of them."""
     from infemeral.eval.server_quant import kv_bytes_per_token, served_bytes
     from infemeral.kvcache.paged import PagedBatch, PagedSequence, PagePool
-    from infemeral.model.layers import LayerStack
-    from infemeral.model.paged_attention import select_backend
+    from infemeral.layers.stack import LayerStack
+    from infemeral.layers.paged_attention import select_backend
     from infemeral.quant.served import weight_bytes
 
     plan, device, dtype = stage.plan, stage.device, stage.dtype

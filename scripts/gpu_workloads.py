@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from random_checkpoint import llama_config  # noqa: F401  (re-exported: the shapes' one home, beside this file)
 
-from infemeral.model.layers import head_dim
+from infemeral.layers.stack import head_dim
 from infemeral.quant.int8 import QUANTIZED_LINEARS  # every linear of a decoder layer, in order
 
 

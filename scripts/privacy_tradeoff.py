@@ -23,7 +23,7 @@ import torch
 
 from infemeral.audit import DEFAULT_PROMPT, audit
 from infemeral.audit.observed import render
-from infemeral.client.model.half import ClientModel
+from infemeral.client_half.half import ClientModel
 from infemeral.cloak.bundle import ClientBundle
 from infemeral.cloak.prepare import prepare
 

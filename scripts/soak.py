@@ -268,7 +268,7 @@ class Orchestrator:
     def start_server(self) -> None:
         from infemeral.client.health import wait_until_serving
         from infemeral.cloak.bundle import ServerBundle
-        from infemeral.model.layers import head_dim
+        from infemeral.layers.stack import head_dim
 
         bundle = ServerBundle.open(self.args.bundles / "server", verify=False)
         page_bytes = 16 * bundle.num_layers * 2 * bundle.config.num_key_value_heads * head_dim(bundle.config) * 4

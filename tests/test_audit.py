@@ -16,7 +16,7 @@ from infemeral.audit.tables import VocabularyTables
 from infemeral.audit.vocabulary_matching import match_vocabulary
 from infemeral.cli import main as cli
 from infemeral.client.client import Client
-from infemeral.client.model.half import ClientModel
+from infemeral.client_half.half import ClientModel
 from infemeral.client.sampling import SamplingParams
 from infemeral.cloak.basis import random_orthogonal
 from infemeral.cloak.bundle import ClientBundle, ServerBundle
@@ -24,7 +24,7 @@ from infemeral.errors import FailedPrecondition
 from infemeral.kvcache.cache import KVCache
 from infemeral.kvcache.persistence import SessionPersistence
 from infemeral.kvcache.stored import SessionKeys
-from infemeral.model.layers import head_dim
+from infemeral.layers.stack import head_dim
 from infemeral.protocol import pb
 from infemeral.protocol.tensors import from_proto
 from infemeral.storage.open import open_store

@@ -89,7 +89,7 @@ def test_the_profile_probe_finds_every_function_it_times_and_puts_them_back():
     from concurrent.futures import Future
     from types import SimpleNamespace
 
-    from infemeral.client import halves
+    from infemeral.client import turn_link
     from infemeral.client.sampling import Sampler
     from infemeral.server import turn_call
 
@@ -110,13 +110,13 @@ def test_the_profile_probe_finds_every_function_it_times_and_puts_them_back():
     model = SimpleNamespace(cloak=lambda ids, cache: ids, logits=lambda hidden: hidden)
     split = SimpleNamespace(client=SimpleNamespace(model=model, tokenizer=SimpleNamespace(decode=lambda ids: "")),
                             engine=Engine())
-    before = (halves.to_proto, turn_call.from_proto, Sampler.__call__)
+    before = (turn_link.to_proto, turn_call.from_proto, Sampler.__call__)
     with profile.Probe(split) as probe:
-        assert halves.to_proto is not before[0] and Sampler.__call__ is not before[2]
+        assert turn_link.to_proto is not before[0] and Sampler.__call__ is not before[2]
         split.engine.submit_step(None, SimpleNamespace(shape=(1, 4)))
         model.cloak([1, 2], None)
     assert probe.records["engine_step"][0][1] == 1 and probe.records["client_cloak"][0][1] == 2
-    assert (halves.to_proto, turn_call.from_proto, Sampler.__call__) == before
+    assert (turn_link.to_proto, turn_call.from_proto, Sampler.__call__) == before
     assert "submit_step" not in vars(split.engine)
 
 

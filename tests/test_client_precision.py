@@ -13,16 +13,16 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from infemeral.client.model import packed
-from infemeral.client.model.compute import resolve_compute
-from infemeral.client.model.half import ClientModel
-from infemeral.client.model.tables import Int8TokenTable
+from infemeral.client_half import packed
+from infemeral.client_half.compute import resolve_compute
+from infemeral.client_half.half import ClientModel
+from infemeral.client_half.tables import Int8TokenTable
 from infemeral.cloak.bundle import ClientBundle, ServerBundle
 from infemeral.cloak.prepare import prepare
 from infemeral.cloak.sources import ModelSource
 from infemeral.errors import FailedPrecondition, InfemeralError
 from infemeral.eval import client_precision
-from infemeral.model.layers import LayerStack
+from infemeral.layers.stack import LayerStack
 from infemeral.quant.int8 import Int8Linear, dequantize_rows, has_int8_kernel, int8_matmul, quantize_rows
 from test_tiny_models import CONFIGS, PROMPT_LEN, build, split_logits, token_ids
 

@@ -61,7 +61,7 @@ from infemeral.cloak.sources import ModelSource
 from infemeral.errors import StatusError
 from infemeral.kvcache import stored
 from infemeral.kvcache.persistence import SessionPersistence
-from infemeral.model.layers import LayerStack
+from infemeral.layers.stack import LayerStack
 from infemeral.protocol import pb, pb_grpc
 from infemeral.protocol.tensors import from_proto, to_proto
 from infemeral.storage.directory import MANIFEST, DirectoryStore

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 from infemeral.cloak.bundle import ClientBundle
 from infemeral.cloak.prepare import prepare
 from infemeral.cloak.sources import ModelSource
-from infemeral.client.model.half import ClientModel
+from infemeral.client_half.half import ClientModel
 from infemeral.errors import FailedPrecondition, InfemeralError
 from infemeral.speculation.draft_head import DraftHead, HeadModel, layer_config, probe_of, save_head
 

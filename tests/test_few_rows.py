@@ -1,12 +1,12 @@
-"""Float32 CPU products of a few rows as weight @ xᵀ (`infemeral.model.few_rows`): which products take that
+"""Float32 CPU products of a few rows as weight @ xᵀ (`infemeral.layers.few_rows`): which products take that
 form, that they give F.linear's numbers, and that the layers of both halves use it."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from infemeral.model import few_rows
-from infemeral.model.few_rows import FEW_ROWS, FewRowsLinear, use_few_rows
+from infemeral.layers import few_rows
+from infemeral.layers.few_rows import FEW_ROWS, FewRowsLinear, use_few_rows
 
 
 def _weights(rows: int, bias: bool = True):
@@ -62,8 +62,8 @@ def test_layer_stacks_run_a_few_positions_as_one_position_at_a_time(plain):
     gives, up to float32 rounding, what 4 steps of one position give."""
     from transformers import LlamaConfig
 
-    from infemeral.model import architecture
-    from infemeral.model.layers import LayerStack
+    from infemeral.layers import architecture
+    from infemeral.layers.stack import LayerStack
 
     config = LlamaConfig(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
                          num_hidden_layers=2, vocab_size=100)

@@ -12,15 +12,14 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "infemeral"
 
-# Lowest first. A module may import its own layer and the ones below, never one above. The longest
-# matching prefix decides a module's layer: `infemeral.client.model` (the laptop's half of the model)
-# sits below `infemeral.client` (the SDK), `infemeral.cli.flags` (a leaf both commands use) at the bottom.
+# Lowest first. A module may import its own layer and the ones below, never one above. Each layer is a
+# set of top-level folders or modules: no package straddles two layers.
 LAYERS = [
     ("foundation", ("infemeral.errors", "infemeral.files", "infemeral.logs", "infemeral.paths",
-                    "infemeral.protocol", "infemeral.transport", "infemeral.cli.flags")),
-    ("storage, cache, model, weights, cloak", ("infemeral.storage", "infemeral.kvcache", "infemeral.model",
+                    "infemeral.protocol", "infemeral.transport", "infemeral.settings_flags")),
+    ("storage, cache, model, weights, cloak", ("infemeral.storage", "infemeral.kvcache", "infemeral.layers",
                                                "infemeral.quant", "infemeral.cloak")),
-    ("the laptop's half of the model", ("infemeral.client.model",)),
+    ("the laptop's half of the model", ("infemeral.client_half",)),
     ("server, speculation, evaluations", ("infemeral.server", "infemeral.speculation", "infemeral.eval")),
     ("SDK, audit", ("infemeral.client", "infemeral.audit")),
     ("OpenAI endpoint", ("infemeral.endpoint",)),

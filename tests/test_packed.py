@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from infemeral.client.model import packed
+from infemeral.client_half import packed
 
 PACKS = packed.packs("cpu", torch.bfloat16)
 needs_packing = pytest.mark.skipif(not PACKS, reason="this CPU's oneDNN has no native bf16 kernels")
@@ -63,7 +63,7 @@ def test_packed_weights_take_the_dense_bytes_at_real_widths():
 def test_the_float32_head_gives_the_linears_logits_for_any_number_of_rows(shape):
     """A few float32 rows are multiplied as weight @ hiddenᵀ (the faster kernel there), more as F.linear: the
     same logits either way, in the hidden's shape."""
-    from infemeral.client.model.tables import HEAD_FEW_ROWS, DenseTokenTable
+    from infemeral.client_half.tables import HEAD_FEW_ROWS, DenseTokenTable
 
     g = torch.Generator().manual_seed(len(shape))
     weight, hidden = torch.randn(3000, 576, generator=g), torch.randn(*shape, generator=g)

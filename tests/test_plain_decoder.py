@@ -16,8 +16,8 @@ import torch
 from test_tiny_models import COMMON, CONFIGS, build
 from transformers import LlamaConfig, Qwen2Config
 
-from infemeral.model import plain_decoder
-from infemeral.model.layers import LayerStack
+from infemeral.layers import plain_decoder
+from infemeral.layers.stack import LayerStack
 
 ROPE_CONFIGS = {
     "llama-rope-llama3": lambda: LlamaConfig(**COMMON, rope_parameters={
@@ -67,7 +67,7 @@ def test_a_client_half_runs_without_importing_transformers(bundles):
     script = f"""
 import sys
 from infemeral.cloak.bundle import ClientBundle
-from infemeral.client.model.half import ClientModel
+from infemeral.client_half.half import ClientModel
 half = ClientModel(ClientBundle.open({str(client_dir)!r}))
 cache = half.new_cache()
 hidden = half.cloak([1, 2, 3], cache)

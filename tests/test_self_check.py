@@ -12,10 +12,10 @@ from transformers import LlamaConfig, MistralConfig, Qwen2Config
 from infemeral.cloak.bundle import ServerBundle
 from infemeral.cloak.prepare import prepare
 from infemeral.cloak.sources import ModelSource
-from infemeral.model.paged_attention import TorchBackend
+from infemeral.layers.paged_attention import TorchBackend
 from infemeral.quant import int4, int8, served
 from infemeral.server import self_check
-from infemeral.server.model_runner import served_window
+from infemeral.server.layer_runner import served_window
 from infemeral.server.self_check import SelfCheckFailed, checked_attention, checked_kernels
 from test_server_quant import tiny_model
 

@@ -13,7 +13,7 @@ from infemeral.cloak.bundle import ServerBundle
 from infemeral.cloak.prepare import prepare
 from infemeral.cloak.sources import ModelSource
 from infemeral.errors import FailedPrecondition
-from infemeral.model.layers import LayerStack
+from infemeral.layers.stack import LayerStack
 from infemeral.quant import gptq, int4, int8, served
 from infemeral.quant.hqq import quantize_hqq
 from infemeral.quant.served import ServerQuant

@@ -127,11 +127,11 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, one_thread):
-    from infemeral.client.model.half import ClientModel
+    from infemeral.client_half.half import ClientModel
     from infemeral.cloak.bundle import ClientBundle, ServerBundle
     from infemeral.cloak.prepare import prepare
     from infemeral.cloak.sources import ModelSource
-    from infemeral.model.layers import LayerStack
+    from infemeral.layers.stack import LayerStack
 
     torch.manual_seed(0)
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,

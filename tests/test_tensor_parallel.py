@@ -29,10 +29,10 @@ from test_tiny_models import CONFIGS, build
 from infemeral.cloak.bundle import ClientBundle, ServerBundle
 from infemeral.cloak.prepare import prepare
 from infemeral.cloak.sources import ModelSource
-from infemeral.client.model.half import ClientModel
+from infemeral.client_half.half import ClientModel
 from infemeral.errors import Unavailable
 from infemeral.kvcache.window import WindowPolicy, apply_window
-from infemeral.model.layers import LayerStack
+from infemeral.layers.stack import LayerStack
 from infemeral.protocol import pb, pb_grpc
 from infemeral.protocol.tensors import to_proto
 from infemeral.server.config import EngineConfig

@@ -23,13 +23,13 @@ from transformers import (
     Qwen3Config,
 )
 
-from infemeral.client.model.half import ClientModel
+from infemeral.client_half.half import ClientModel
 from infemeral.cloak.bundle import ClientBundle, ServerBundle
 from infemeral.cloak.prepare import prepare
 from infemeral.cloak.sources import ModelSource
 from infemeral.errors import UnsupportedModel
-from infemeral.model.architecture import check_supported
-from infemeral.model.layers import LayerStack
+from infemeral.layers.architecture import check_supported
+from infemeral.layers.stack import LayerStack
 
 TOL = 1e-4
 VOCAB = 128

@@ -20,10 +20,10 @@ from test_tiny_models import COMMON, build
 from transformers import LlamaConfig
 
 from infemeral.errors import InvalidArgument
-from infemeral.model.layers import LayerStack
+from infemeral.layers.stack import LayerStack
 from infemeral.quant.served import ServerQuant, quantize_layer
 from infemeral.server.engine import Engine
-from infemeral.server.model_runner import ModelRunner
+from infemeral.server.layer_runner import LayerRunner
 from infemeral.server.parallel import ops
 from infemeral.server.parallel.driver import Driver, RankFailure, TensorParallel, TensorParallelRunner
 from infemeral.server.parallel.group import Group
@@ -98,7 +98,7 @@ class RanksInThreads:
         for t in joins:
             t.join()
         self.groups = groups
-        worker_runner = ModelRunner(ShardedBundle(bundle, Shard(1, 2)), CONFIG)
+        worker_runner = LayerRunner(ShardedBundle(bundle, Shard(1, 2)), CONFIG)
         attach_all_reduce(worker_runner.layers, groups[1].all_reduce)
         self.worker = Worker(groups[1], worker_runner)
         self.worker_error: BaseException | None = None

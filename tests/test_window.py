@@ -11,7 +11,7 @@ from conftest import StoredSession, start_server
 from infemeral.client.sampling import SamplingParams
 from infemeral.errors import FailedPrecondition, OutOfRange
 from infemeral.kvcache.window import WindowPolicy, apply_window, rerotate, rope_shift_frequencies
-from infemeral.model.layers import LayerStack
+from infemeral.layers.stack import LayerStack
 
 ROPE_TYPES = {
     "default": {"rope_type": "default", "rope_theta": 10000.0},

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from infemeral.client.model.half import ClientModel
+from infemeral.client_half.half import ClientModel
 from infemeral.cloak.bundle import DTYPES, ServerBundle
 from infemeral.errors import InvalidArgument
 from infemeral.kvcache.prefix import common_prefix

@@ -18,13 +18,13 @@ from dataclasses import dataclass
 import torch
 from transformers import PretrainedConfig
 
-from infemeral.client.model.half import ClientModel
+from infemeral.client_half.half import ClientModel
 from infemeral.cloak.bundle import ServerBundle
 from infemeral.cloak.sources import WeightSource, layer_tensors
 from infemeral.errors import FailedPrecondition
 from infemeral.kvcache.cache import KVCache
-from infemeral.model.architecture import NORM_FEEDS, WRITES_RESIDUAL, cache_keyword
-from infemeral.model.layers import LayerStack
+from infemeral.layers.architecture import NORM_FEEDS, WRITES_RESIDUAL, cache_keyword
+from infemeral.layers.stack import LayerStack
 
 
 @dataclass

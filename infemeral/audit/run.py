@@ -24,7 +24,7 @@ from infemeral.audit.report import AuditReport, Row
 from infemeral.audit.samples import DEFAULT_PROMPT, EARLIER_EXCHANGE
 from infemeral.audit.tables import VocabularyTables
 from infemeral.audit.vocabulary_matching import match_vocabulary
-from infemeral.client.model.half import ClientModel
+from infemeral.client_half.half import ClientModel
 from infemeral.cloak.bundle import DTYPES, ClientBundle, ServerBundle
 from infemeral.cloak.sources import WeightSource, open_source
 from infemeral.errors import FailedPrecondition, InvalidArgument

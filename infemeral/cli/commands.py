@@ -13,7 +13,7 @@ import re
 import sys
 from pathlib import Path
 
-from infemeral.cli.flags import settings_from_args
+from infemeral.settings_flags import settings_from_args
 from infemeral.client.settings import ClientSettings
 from infemeral.endpoint.settings import ServeSettings
 from infemeral.errors import InfemeralError, UsageError
@@ -268,7 +268,7 @@ def describe_server_info(info, address: str) -> str:
 
 def _describe_laptop_half(settings: ClientSettings) -> None:
     """Build the laptop's half as `generate` would (torch, the weights) and say how it computes."""
-    from infemeral.client.model.half import ClientModel
+    from infemeral.client_half.half import ClientModel
     from infemeral.cloak.bundle import ClientBundle
 
     model = ClientModel(ClientBundle.open(settings.client_bundle), dtype=settings.client_dtype,

@@ -14,7 +14,7 @@ from pathlib import Path
 from infemeral import logs
 from infemeral.cli import commands, server_errors
 from infemeral.cli.fast_exit import exit_now
-from infemeral.cli.flags import add_settings_flags
+from infemeral.settings_flags import add_settings_flags
 from infemeral.client.settings import ClientSettings
 from infemeral.endpoint.settings import ServeSettings
 from infemeral.errors import InfemeralError

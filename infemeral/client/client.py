@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from infemeral.client.model.half import ClientModel
+from infemeral.client_half.half import ClientModel
 from infemeral.client.result import TurnResult
 from infemeral.client.sampling import SamplingParams
 from infemeral.client.server_link import ServerLink

@@ -12,7 +12,7 @@ CLI, raw completion, the OpenAI endpoint):
 Leaving the `with` block without a commit rolls both caches back (the server
 drops an uncommitted turn by itself): the client's cache returns to exactly the
 committed state, even when the turn dropped or the window evicted committed
-positions (`Halves` copies the committed cache before it first rewrites it). A
+positions (`TurnLink` copies the committed cache before it first rewrites it). A
 commit whose reply was lost is kept as a `PendingCommit` for the next turn to
 settle.
 
@@ -20,7 +20,7 @@ Decoding sends the last sampled token plus up to k drafted tokens per step and
 asks for all their outputs (docs/design.md §9): one round trip verifies the drafts,
 the longest agreeing prefix is kept (`accept_drafts`), and the rejected
 positions are dropped from both caches. The `Speculator` chooses the drafts
-and learns from each step; the stream, the caches and the window are `Halves`'.
+and learns from each step; the stream, the caches and the window are `TurnLink`'.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from infemeral.client.halves import Halves
+from infemeral.client.turn_link import TurnLink
 from infemeral.client.result import TurnResult
 from infemeral.client.sampling import Sampler, SamplingParams
 from infemeral.client.stream import open_turn
@@ -62,7 +62,7 @@ class TurnLoop:
         self.turn_id = secrets.token_bytes(16)
         self.sampler = Sampler(params)
         self.speculator: Speculator | None = None
-        self.halves: Halves | None = None  # once the stream is open
+        self.link: TurnLink | None = None  # once the stream is open
         self.generated: list[int] = []
         self.is_commit_sent = self.is_committed = False
         self._has_lock = False
@@ -98,23 +98,23 @@ class TurnLoop:
             session_id=session.id, session_key=session.key, expected_version=session.version,
             bundle_fingerprint=client.bundle.server_fingerprint, turn_id=self.turn_id,
             reserve_tokens=len(self.new_prompt) + self.params.max_new_tokens + slack))
-        self.halves = Halves(client.model, session.cache, self.target_ids[:keep], stream, info, client.wire_dtype)
+        self.link = TurnLink(client.model, session.cache, self.target_ids[:keep], stream, info, client.wire_dtype)
         if opened.cache_length != session.cache.length:
             raise Aborted(f"server holds {opened.cache_length} tokens for this session but the client holds "
                           f"{session.cache.length}; the session file is out of date")
         if drop:
-            self.halves.truncate(drop)
+            self.link.truncate(drop)
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        session, halves = self.session, self.halves
+        session, link = self.session, self.link
         try:
-            if halves is not None:
-                halves.close()
+            if link is not None:
+                link.close()
             if self.is_commit_sent and not self.is_committed:  # the outcome is unknown until the server is asked
                 self.result.version = session.version + 1
-                session.keep_in_doubt(self.turn_id, halves.ids, self._transcript(), self.result)
+                session.keep_in_doubt(self.turn_id, link.ids, self._transcript(), self.result)
             if not self.is_committed:
-                session.restore(halves.committed if halves is not None else None)
+                session.restore(link.committed if link is not None else None)
         finally:
             if self._has_lock:
                 self._has_lock = False
@@ -126,31 +126,31 @@ class TurnLoop:
         """Send the prompt's new tokens; the logits [vocab] of the token after them. A draft head also gets the
         features of the prompt's last positions (as many as it asks for, from the last step)."""
         self.started = time.perf_counter()
-        halves, chunk, wanted = self.halves, self.halves.max_chunk, self.speculator.prompt_features
+        link, chunk, wanted = self.link, self.link.max_chunk, self.speculator.prompt_features
         for i in range(0, len(self.new_prompt), chunk):
             part = self.new_prompt[i:i + chunk]
             outputs = max(min(wanted, len(part)), 1) if i + chunk >= len(self.new_prompt) else 1
-            logits = halves.step(part, num_outputs=outputs, num_logits=1)
-        self.speculator.observed(halves.ids, halves.features)
+            logits = link.step(part, num_outputs=outputs, num_logits=1)
+        self.speculator.observed(link.ids, link.features)
         self.result.round_trips += 1  # the step whose output is the first token
         return logits[-1]
 
     def generate(self) -> Iterator[str]:
         """Prefill, then decode until the answer ends; yields the answer's text as it becomes final."""
-        r, halves = self.result, self.halves
+        r, link = self.result, self.link
         text = TextStream(self.client.tokenizer, self.params.stop)
-        new = [self.sampler(self.prefill(), halves.ids)]  # tokens the last step produced, in order
+        new = [self.sampler(self.prefill(), link.ids)]  # tokens the last step produced, in order
         self.first_at = time.perf_counter()
         r.time_to_first_token = self.first_at - self.started
-        anchor = len(halves.ids)  # where the caches' copy of `new` (all but its last token) starts
+        anchor = len(link.ids)  # where the caches' copy of `new` (all but its last token) starts
         while True:
             kept = yield from self._emit(new, text)
-            halves.keep(anchor + kept)
-            if halves.is_full and not r.finish_reason:
+            link.keep(anchor + kept)
+            if link.is_full and not r.finish_reason:
                 r.finish_reason = "context"
             if r.finish_reason:
                 break
-            anchor, new = len(halves.ids) + 1, self.decode_step(new[-1])
+            anchor, new = len(link.ids) + 1, self.decode_step(new[-1])
         delta = text.flush()
         if delta:
             yield delta
@@ -178,28 +178,28 @@ class TurnLoop:
 
     def decode_step(self, last: int) -> list[int]:
         """Send `last` (sampled, not yet in the caches) plus drafts; the accepted drafts and the next token."""
-        context = self.halves.ids + [last]
+        context = self.link.ids + [last]
         budget = self.params.max_new_tokens - len(self.generated) - 1  # drafts past the answer's end are waste
-        proposal = self.speculator.propose(context, max(min(budget, self.halves.draft_room()), 0))
-        logits = self.halves.step([last] + proposal.drafts, num_outputs=len(proposal.drafts) + 1)
+        proposal = self.speculator.propose(context, max(min(budget, self.link.draft_room()), 0))
+        logits = self.link.step([last] + proposal.drafts, num_outputs=len(proposal.drafts) + 1)
         new = accept_drafts(self.sampler, logits, context, proposal.drafts)
         self.speculator.verified(proposal, new)
-        self.speculator.observed(context + new[:-1], self.halves.features[:len(new)])  # the verified positions
+        self.speculator.observed(context + new[:-1], self.link.features[:len(new)])  # the verified positions
         self.result.add_step(len(proposal.drafts), len(new) - 1)
         return new
 
     def commit(self) -> TurnResult:
         """Make the turn durable on both sides; the session moves to the new version."""
-        r, halves = self.result, self.halves
+        r, link = self.result, self.link
         r.token_ids = list(self.generated)
         r.generated_tokens = len(self.generated)
         r.decode_seconds = time.perf_counter() - self.first_at
-        r.cache_length = halves.cache.length
-        r.evicted_tokens = halves.num_evicted
+        r.cache_length = link.cache.length
+        r.evicted_tokens = link.num_evicted
         self.is_commit_sent = True
-        r.version = halves.commit()
+        r.version = link.commit()
         self.is_committed = True
-        self.session.committed(r.version, halves.ids, self._transcript(), r)
+        self.session.committed(r.version, link.ids, self._transcript(), r)
         self._remember_answer()
         return r
 

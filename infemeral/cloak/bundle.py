@@ -30,7 +30,7 @@ from infemeral.cloak.manifest import (CLIENT_FORMAT, FORMAT_VERSION, QUANTIZED_F
                                       SERVER_FORMAT, fingerprint, read_manifest)
 from infemeral.cloak.stored_config import StoredConfig, StoredGenerationConfig
 from infemeral.errors import FailedPrecondition
-from infemeral.model.architecture import SUPPORTED
+from infemeral.layers.architecture import SUPPORTED
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

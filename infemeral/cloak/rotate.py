@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from infemeral.model.architecture import NORM_FEEDS, WRITES_RESIDUAL
+from infemeral.layers.architecture import NORM_FEEDS, WRITES_RESIDUAL
 
 
 def rotate_layer(weights: dict[str, torch.Tensor], q: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:

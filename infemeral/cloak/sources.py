@@ -20,7 +20,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig
 
 from infemeral.errors import InfemeralError
-from infemeral.model.architecture import check_supported
+from infemeral.layers.architecture import check_supported
 
 log = logging.getLogger(__name__)
 

@@ -32,5 +32,5 @@ class ServeSettings(BaseSettings):
     @classmethod
     def _split_hosts(cls, value):
         if isinstance(value, str):
-            value = value.split(",")
-        return [h.strip() for h in value if h.strip()]
+            value = [value]
+        return [h.strip() for item in value for h in item.split(",") if h.strip()]  # flags repeat or list with commas

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from infemeral.client.model.half import ClientModel
+from infemeral.client_half.half import ClientModel
 
 MODES = {"bfloat16": dict(dtype="bfloat16"), "float16": dict(dtype="float16"), "int8": dict(quant="int8")}
 PROMPTS = (
@@ -151,7 +151,7 @@ def default_model_setup(num_positions: int, work: Path):
     """Bundles of the packaged model; float32 client and server; greedy continuations of chat prompts."""
     from infemeral.cloak.bundle import ClientBundle, ServerBundle
     from infemeral.cloak.prepare import prepare
-    from infemeral.model.layers import LayerStack
+    from infemeral.layers.stack import LayerStack
 
     bundles = prepare(None, work, progress=False)
     bundle = ClientBundle.open(bundles.client_dir)
@@ -185,7 +185,7 @@ RANDOM_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32
 
 def random_client_tensors(config, seed: int = 0) -> dict[str, torch.Tensor]:
     """A client bundle's tensors (embedding, layer 0, final norm, LM head) with random float32 weights."""
-    from infemeral.model.architecture import decoder_layer_class
+    from infemeral.layers.architecture import decoder_layer_class
 
     generator = torch.Generator().manual_seed(seed)
     with torch.device("meta"):

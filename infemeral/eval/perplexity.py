@@ -30,8 +30,8 @@ import torch
 from transformers import PretrainedConfig
 
 from infemeral.kvcache.window import WindowPolicy, apply_window, rope_shift_frequencies
-from infemeral.model import architecture
-from infemeral.model.layers import LayerStack
+from infemeral.layers import architecture
+from infemeral.layers.stack import LayerStack
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_TEXT = REPO / "tests" / "data" / "kjv_genesis_37-40.txt"

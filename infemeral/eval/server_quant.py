@@ -38,9 +38,9 @@ import torch
 from transformers import PretrainedConfig
 
 from infemeral.cloak.rotate import rotate_layer
-from infemeral.model import architecture
-from infemeral.model.architecture import NORM_FEEDS
-from infemeral.model.layers import LayerStack
+from infemeral.layers import architecture
+from infemeral.layers.architecture import NORM_FEEDS
+from infemeral.layers.stack import LayerStack
 from infemeral.quant import served
 from infemeral.quant.agreement import Agreement
 from infemeral.quant.calibration import Calibration, calibration_ids
@@ -231,7 +231,7 @@ class BundleSplit:
 
     def __init__(self, client_dir: Path, server_dir: Path, dtype: torch.dtype = torch.float32,
                  device: str = "cpu"):
-        from infemeral.client.model.half import ClientModel
+        from infemeral.client_half.half import ClientModel
         from infemeral.cloak.bundle import ClientBundle, ServerBundle
 
         self.client = ClientModel(ClientBundle.open(client_dir), dtype="float32", device="cpu")

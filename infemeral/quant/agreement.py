@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PretrainedConfig
 
-from infemeral.model import architecture
+from infemeral.layers import architecture
 from infemeral.quant.calibration import Calibration
 
 # Below this share of held positions, prepare warns: between round-to-nearest int8 and int4 on the default model,

@@ -16,7 +16,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PretrainedConfig
 
-from infemeral.model.layers import LayerStack
+from infemeral.layers.stack import LayerStack
 from infemeral.quant.gptq import ONE_THREAD_ELEMENTS, one_thread
 from infemeral.quant.calibration_text import CONVERSATIONS
 

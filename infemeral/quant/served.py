@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PretrainedConfig
 
-from infemeral.model.layers import head_dim
+from infemeral.layers.stack import head_dim
 from infemeral.quant import int4, int8
 from infemeral.quant.hqq import quantize_hqq
 
@@ -203,7 +203,7 @@ class DequantizedInt8Linear(int8.Int8Linear):
 def load_stack(bundle, dtype: torch.dtype, device: str | torch.device = "cpu", use_kernels: bool = True,
                layers: range | None = None):
     """The bundle's served layers (or the given range of them) as a LayerStack, quantised or not."""
-    from infemeral.model.layers import LayerStack
+    from infemeral.layers.stack import LayerStack
 
     quant = ServerQuant.from_manifest(bundle.manifest)
     layers = layers or range(bundle.first_layer, bundle.first_layer + bundle.num_layers)

@@ -51,10 +51,10 @@ from infemeral.kvcache.paged import PagedSequence, PagePool, PageShare
 from infemeral.kvcache.persistence import SessionPersistence
 from infemeral.kvcache.stored import SessionKeys
 from infemeral.kvcache.window import WindowPolicy
-from infemeral.model.layers import LayerStack
+from infemeral.layers.stack import LayerStack
 from infemeral.server.config import EngineConfig
 from infemeral.server.metrics import NullMetrics
-from infemeral.server.model_runner import ModelRunner
+from infemeral.server.layer_runner import LayerRunner
 from infemeral.server.scheduler import Scheduler, StepRequest
 from infemeral.server.turn import Turn
 from infemeral.storage.base import SessionLock, Store
@@ -114,15 +114,15 @@ class EngineStats:
 
 class Engine:
     def __init__(self, bundle: ServerBundle, store: Store, config: EngineConfig | None = None, *,
-                 metrics: NullMetrics | None = None, runner: ModelRunner | None = None):
-        """`runner`: the served layers, if not a `ModelRunner` of the bundle on one device (tensor parallelism
+                 metrics: NullMetrics | None = None, runner: LayerRunner | None = None):
+        """`runner`: the served layers, if not a `LayerRunner` of the bundle on one device (tensor parallelism
         passes rank 0's)."""
         self.bundle = bundle
         self.store = store
         self.config = config or EngineConfig()
         self.metrics = metrics or NullMetrics()
         self.persistence = SessionPersistence(store, bundle.fingerprint)
-        self.runner = runner or ModelRunner(bundle, self.config)
+        self.runner = runner or LayerRunner(bundle, self.config)
         self.scheduler = Scheduler(self.config.window, self.runner.inv_freq, self.config.batch_token_budget,
                                    self.config.admission_wait, max_batch_hold=self.config.max_batch_hold,
                                    default_reserve_tokens=self.config.default_reserve_tokens)

@@ -7,7 +7,7 @@ import sys
 
 from pydantic import ValidationError
 
-from infemeral.cli.flags import add_settings_flags, settings_from_args
+from infemeral.settings_flags import add_settings_flags, settings_from_args
 from infemeral.cloak.heap import cap_arenas
 from infemeral.errors import InfemeralError
 from infemeral.logs import configure as configure_logging

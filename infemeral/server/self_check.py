@@ -27,8 +27,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from infemeral.errors import InfemeralError
-from infemeral.model.layers import LayerStack
-from infemeral.model.paged_attention import TorchBackend, torch_paged_attention
+from infemeral.layers.stack import LayerStack
+from infemeral.layers.paged_attention import TorchBackend, torch_paged_attention
 from infemeral.quant import served
 
 log = logging.getLogger(__name__)

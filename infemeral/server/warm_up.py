@@ -15,7 +15,7 @@ import time
 import torch
 
 from infemeral.errors import InfemeralError, StatusError
-from infemeral.model.paged_attention import MAX_PADDED_QUERY
+from infemeral.layers.paged_attention import MAX_PADDED_QUERY
 from infemeral.server.engine import SESSION_ID_BYTES, SESSION_KEY_BYTES, Engine
 
 log = logging.getLogger(__name__)

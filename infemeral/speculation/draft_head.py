@@ -31,8 +31,8 @@ from transformers import AutoConfig, PretrainedConfig
 from infemeral.errors import FailedPrecondition, InfemeralError
 from infemeral.files import write_private
 from infemeral.kvcache.cache import KVCache
-from infemeral.model import architecture
-from infemeral.model.layers import head_dim, runtime_config
+from infemeral.layers import architecture
+from infemeral.layers.stack import head_dim, runtime_config
 
 FORMAT = "infemeral-draft-head"
 FORMAT_VERSION = 1
@@ -349,8 +349,8 @@ class DraftVocab:
 def rows_of(table, ids: torch.Tensor, dtype: torch.dtype, device: torch.device):
     """A table of only `ids`' rows of the client's LM head `table` (dense, int8 or packed), held as the client
     holds its own (packed where its dtype packs)."""
-    from infemeral.client.model import packed
-    from infemeral.client.model.tables import DenseTokenTable, Int8TokenTable
+    from infemeral.client_half import packed
+    from infemeral.client_half.tables import DenseTokenTable, Int8TokenTable
 
     if hasattr(table, "codes"):
         return Int8TokenTable(table.codes[ids], table.scales[ids], dtype, device)
@@ -375,7 +375,7 @@ class DraftHead:
     def __init__(self, module: HeadModel, model, *, draft_ids: torch.Tensor | None = None,
                  quant: str | None = None, description: str = "draft head", keep_features: int = 512,
                  max_positions: int = 2048, prompt_features: int = 64):
-        from infemeral.client.model import packed
+        from infemeral.client_half import packed
         from infemeral.quant import int8
 
         self.model, self.description = model, description
@@ -421,7 +421,7 @@ class DraftHead:
         return self.model.embed.lookup(torch.tensor(list(ids), dtype=torch.long, device=self.device))
 
     def memory_bytes(self) -> int:
-        from infemeral.client.model import packed
+        from infemeral.client_half import packed
 
         tensors = [*self.module.parameters(), *self.module.buffers()]
         if self.vocab.target_ids is not None:

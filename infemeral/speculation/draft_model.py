@@ -26,7 +26,7 @@ import torch
 
 from infemeral.errors import FailedPrecondition
 from infemeral.kvcache.prefix import common_prefix
-from infemeral.model.architecture import cache_keyword
+from infemeral.layers.architecture import cache_keyword
 
 
 def tokenizer_mismatch(target, draft) -> str | None:

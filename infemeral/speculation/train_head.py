@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from infemeral.speculation.draft_head import DraftHead, HeadModel, layer_config, probe_of, save_head
 from infemeral.speculation.head_prompts import chat_prompts
 from infemeral.speculation.train_settings import DEFAULT_CACHE, TrainSettings
-from infemeral.model.architecture import cache_keyword
+from infemeral.layers.architecture import cache_keyword
 
 log = logging.getLogger(__name__)
 DATA_FORMAT = 5
@@ -443,7 +443,7 @@ class _Tables:
     """The part of a client half a `DraftHead` reads (embedding, LM head), over plain float32 tensors."""
 
     def __init__(self, model, device: torch.device):
-        from infemeral.client.model.tables import DenseTokenTable
+        from infemeral.client_half.tables import DenseTokenTable
 
         self.config = model.config
         self.dtype, self.device = torch.float32, device

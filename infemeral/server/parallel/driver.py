@@ -1,7 +1,7 @@
 """Rank 0: everything a client talks to, and the driver of the other ranks.
 
 The engine, the scheduler, turns, the store and its encryption all stay here, unchanged: they see a
-`TensorParallelRunner` (a `ModelRunner` over rank 0's shard) and its `ShardedPagePool`. Whatever touches
+`TensorParallelRunner` (a `LayerRunner` over rank 0's shard) and its `ShardedPagePool`. Whatever touches
 pages goes to every rank, one operation at a time under one lock, in the same order everywhere:
 
 * a forward pass: the batch's block tables, lengths and new tokens, then its hidden states (broadcast);
@@ -38,7 +38,7 @@ from infemeral.cloak.bundle import ServerBundle
 from infemeral.errors import Unavailable
 from infemeral.kvcache.paged import PagedBatch, PagePool
 from infemeral.server.config import EngineConfig
-from infemeral.server.model_runner import ModelRunner
+from infemeral.server.layer_runner import LayerRunner
 from infemeral.server.parallel import ops
 from infemeral.server.parallel.group import (DEFAULT_TIMEOUT, START_TIMEOUT, Group, env_store, loopback_store,
                                              rank_device, spawn_workers, torchrun_rank)
@@ -171,7 +171,7 @@ class ShardedPagePool(PagePool):
             pass  # zeroing never fails a close; the failure itself was reported
 
 
-class TensorParallelRunner(ModelRunner):
+class TensorParallelRunner(LayerRunner):
     """Rank 0's model runner: its shard of the layers; each forward pass runs on every rank."""
 
     def __init__(self, bundle: ServerBundle, config: EngineConfig, driver: Driver):

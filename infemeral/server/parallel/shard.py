@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PretrainedConfig
 
-from infemeral.model.layers import head_dim
+from infemeral.layers.stack import head_dim
 from infemeral.server.parallel.ranks import check_divisible
 
 # prefix of a linear inside a decoder layer -> which output features it has

@@ -22,7 +22,7 @@ import torch
 from infemeral.cloak.bundle import ServerBundle
 from infemeral.kvcache.paged import PagedBatch
 from infemeral.logs import configure as configure_logging
-from infemeral.server.model_runner import ModelRunner
+from infemeral.server.layer_runner import LayerRunner
 from infemeral.server.parallel import ops
 from infemeral.server.parallel.group import START_TIMEOUT, Group, Launch, env_store, rank_device, torchrun_rank
 from infemeral.server.parallel.shard import Shard, ShardedBundle, attach_all_reduce, parameter_bytes
@@ -38,7 +38,7 @@ def nonfinite_flag(batch: PagedBatch, device: torch.device) -> torch.Tensor:
 
 
 class Worker:
-    def __init__(self, group: Group, runner: ModelRunner):
+    def __init__(self, group: Group, runner: LayerRunner):
         self.group, self.runner, self.pool = group, runner, runner.pool
         self.hidden_size = runner.layers.config.hidden_size
         self.handlers = {ops.Forward: self.forward, ops.Read: self.read, ops.Write: self.write, ops.Move: self.move,
@@ -93,7 +93,7 @@ def serve(launch: Launch, device_kind: str, timeout: float) -> int:
     runner = None
     try:
         bundle = ServerBundle.open(setup.bundle, verify=False)  # rank 0 verified it
-        runner = ModelRunner(ShardedBundle(bundle, Shard(rank, launch.world)),
+        runner = LayerRunner(ShardedBundle(bundle, Shard(rank, launch.world)),
                              replace(setup.config, device=str(device)))
         attach_all_reduce(runner.layers, group.all_reduce)
     except Exception:

@@ -10,7 +10,7 @@ one would.
 Two models: the default (the workbench's client bundle) and a Llama-3-8B-shaped client half with
 random float32 weights built in memory (vocabulary 128,256, hidden 4,096, MLP 14,336, 32/8 heads,
 untied head), where the LM head dominates as it does in real deployments. Modes: float32 (the
-bundle), bfloat16 (weights packed for oneDNN where the CPU has bf16 kernels, `client/model/packed.py`), and
+bundle), bfloat16 (weights packed for oneDNN where the CPU has bf16 kernels, `client_half/packed.py`), and
 int8 weight-only (bf16 activations). All modes of one model are timed in
 rotation, one step each, so a burst of load from other processes hits them alike. Targets apply at
 the 8B shape; agreement of the reduced modes with float32 is measured separately
@@ -103,7 +103,7 @@ def _measure(model: str, clients: dict, reps: int) -> list[ClientStepRow]:
 
 
 def _default_clients(wb) -> dict:
-    from infemeral.client.model.half import ClientModel
+    from infemeral.client_half.half import ClientModel
     from infemeral.cloak.bundle import ClientBundle
 
     bundle = ClientBundle.open(wb.client_dir)
@@ -113,7 +113,7 @@ def _default_clients(wb) -> dict:
 def _8b_clients() -> dict:
     from transformers import LlamaConfig
 
-    from infemeral.client.model.half import ClientModel
+    from infemeral.client_half.half import ClientModel
     from infemeral.cloak.basis import random_orthogonal
     from infemeral.eval.client_precision import RANDOM_8B, random_client_tensors
 

@@ -71,7 +71,7 @@ class Probe:
         self._undo.append((owner, name, original, had_own))
 
     def __enter__(self) -> "Probe":
-        from infemeral.client import halves
+        from infemeral.client import turn_link
         from infemeral.client.sampling import Sampler
         from infemeral.kvcache.paged import PagedBatch
         from infemeral.server import turn_call
@@ -82,8 +82,8 @@ class Probe:
         self.wrap(client.model, "logits", "client_logits")
         self.wrap(client.tokenizer, "decode", "client_detokenise")
         self.wrap(Sampler, "__call__", "client_sampling")
-        self.wrap(halves, "to_proto", "client_serialise")  # the module a turn's steps call them from
-        self.wrap(halves, "from_proto", "client_serialise")
+        self.wrap(turn_link, "to_proto", "client_serialise")  # the module a turn's steps call them from
+        self.wrap(turn_link, "from_proto", "client_serialise")
         self.wrap(turn_call, "to_proto", "server_serialise")
         self.wrap(turn_call, "from_proto", "server_serialise")
         # the service submits a step and awaits its future

@@ -212,7 +212,7 @@ def draft_token_costs_8b(reps: int, shape: dict | None = None) -> list[dict]:
     import torch
     from transformers import LlamaConfig
 
-    from infemeral.client.model.half import ClientModel
+    from infemeral.client_half.half import ClientModel
     from infemeral.cloak.basis import random_orthogonal
     from infemeral.eval.client_precision import RANDOM_8B, random_client_tensors
     from infemeral.speculation.draft_head import DraftHead, HeadModel, layer_config

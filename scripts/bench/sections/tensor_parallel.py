@@ -56,7 +56,7 @@ def build(tmp):
     from infemeral.cloak.bundle import ClientBundle, ServerBundle
     from infemeral.cloak.prepare import prepare
     from infemeral.cloak.sources import ModelSource
-    from infemeral.client.model.half import ClientModel
+    from infemeral.client_half.half import ClientModel
 
     torch.manual_seed(0)
     config = LlamaConfig(**SHAPE, max_position_embeddings=4096, tie_word_embeddings=False, initializer_range=0.05)

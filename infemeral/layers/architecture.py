@@ -60,7 +60,7 @@ def check_supported(config: PretrainedConfig) -> None:
 
 def modeling_module(config: PretrainedConfig):
     check_supported(config)
-    import infemeral.model.transformers_modeling  # noqa: F401  (without hqq; our cache attention registered)
+    import infemeral.layers.transformers_modeling  # noqa: F401  (without hqq; our cache attention registered)
 
     return importlib.import_module(f"transformers.models.{config.model_type}.modeling_{config.model_type}")
 

@@ -22,7 +22,7 @@ from infemeral.protocol import pb
 from infemeral.protocol.tensors import from_proto, to_proto
 
 
-class Halves:
+class TurnLink:
     """`model` and `cache` (the session's) on the laptop, the server behind `stream`, which announced `info`.
 
     `ids` are the tokens the caches hold, those the window evicted included (client-side only)."""

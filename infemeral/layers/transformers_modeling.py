@@ -32,6 +32,6 @@ if "transformers.cache_utils" not in sys.modules:
 
 from transformers import AttentionInterface  # noqa: E402
 
-from infemeral.model.attention import NAME, cache_attention  # noqa: E402
+from infemeral.layers.attention import NAME, cache_attention  # noqa: E402
 
 AttentionInterface.register(NAME, cache_attention)

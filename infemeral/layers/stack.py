@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from infemeral.kvcache.cache import KVCache
-from infemeral.model import architecture, plain_decoder
-from infemeral.model.attention import NAME as ATTENTION
-from infemeral.model.few_rows import use_few_rows
+from infemeral.layers import architecture, plain_decoder
+from infemeral.layers.attention import NAME as ATTENTION
+from infemeral.layers.few_rows import use_few_rows
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

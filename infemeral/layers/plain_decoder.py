@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from infemeral.model import architecture
-from infemeral.model.attention import cache_attention
+from infemeral.layers import architecture
+from infemeral.layers.attention import cache_attention
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors import safe_open
 
-from infemeral.client.model import packed
-from infemeral.client.model.compute import resolve_compute
-from infemeral.client.model.tables import DenseTokenTable, Int8TokenTable
+from infemeral.client_half import packed
+from infemeral.client_half.compute import resolve_compute
+from infemeral.client_half.tables import DenseTokenTable, Int8TokenTable
 from infemeral.cloak.bundle import ClientBundle, dtype_name
 from infemeral.kvcache.cache import KVCache
-from infemeral.model import plain_decoder
-from infemeral.model.layers import LayerStack
+from infemeral.layers import plain_decoder
+from infemeral.layers.stack import LayerStack
 from infemeral.quant import int8
 
 if TYPE_CHECKING:

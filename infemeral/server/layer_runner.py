@@ -21,9 +21,9 @@ import torch
 from infemeral.cloak.bundle import ServerBundle
 from infemeral.kvcache.paged import PagedBatch, PagedSequence, PagePool
 from infemeral.kvcache.window import rope_shift_frequencies
-from infemeral.model.layers import head_dim
-from infemeral.model.paged_attention import select_backend
-from infemeral.model.plain_decoder import layer_window
+from infemeral.layers.stack import head_dim
+from infemeral.layers.paged_attention import select_backend
+from infemeral.layers.plain_decoder import layer_window
 from infemeral.quant.served import ServerQuant, kernels_in_use, load_stack
 from infemeral.server import self_check
 from infemeral.server.config import EngineConfig
@@ -38,7 +38,7 @@ def served_window(bundle: ServerBundle) -> int | None:
     return min({layer_window(bundle.config, i) for i in layers} - {None}, default=None)
 
 
-class ModelRunner:
+class LayerRunner:
     def __init__(self, bundle: ServerBundle, config: EngineConfig):
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)

@@ -23,7 +23,7 @@ def add_settings_flags(parser: argparse.ArgumentParser, settings_cls: type[BaseS
         env = (prefix + name).upper()
         default = (shown_defaults or {}).get(name, field.get_default(call_default_factory=True))
         help_text = f"{field.description} (env {env}; default: {default})"
-        if name == "stop":
+        if typing.get_origin(field.annotation) is list:  # repeat the flag for several values
             parser.add_argument(flag, dest=name, default=None, action="append", help=help_text)
         elif field.annotation is bool:
             parser.add_argument(flag, dest=name, default=None, action=argparse.BooleanOptionalAction, help=help_text)

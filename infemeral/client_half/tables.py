@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from infemeral.model import few_rows
+from infemeral.layers import few_rows
 from infemeral.quant.int8 import aligned, dequantize_rows, int8_matmul
 
 HEAD_FEW_ROWS = 16  # a wide table gains from the weight @ hiddenᵀ form up to more rows than a layer does

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from infemeral.model.attention import attend
+from infemeral.layers.attention import attend
 
 log = logging.getLogger(__name__)
 
