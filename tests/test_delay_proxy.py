@@ -1,4 +1,4 @@
-"""The benchmark's WAN emulation: a loopback TCP proxy that adds a round trip without limiting bandwidth."""
+"""The benchmark's WAN emulation: a loopback proxy that adds a round trip and, if asked, a bandwidth each way."""
 
 from __future__ import annotations
 
@@ -93,3 +93,53 @@ def test_listens_on_loopback_only(echo_server):
     with pytest.raises(ValueError, match="loopback only"):
         DelayProxy(echo_server, rtt_ms=20, listen="192.168.1.5:0")
     assert DelayProxy(echo_server, rtt_ms=20, listen="localhost:0").listen == ("localhost", 0)
+
+
+def time_to_echo(proxy: DelayProxy, payload: bytes) -> float:
+    """Seconds from the first byte sent to the last echoed byte received (a reader thread drains meanwhile)."""
+    with socket.create_connection(("127.0.0.1", proxy.port)) as sock:
+        received: list[bytes] = []
+        reader = threading.Thread(target=lambda: received.append(recv_exactly(sock, len(payload))))
+        started = time.perf_counter()
+        reader.start()
+        sock.sendall(payload)
+        reader.join(timeout=60)
+        elapsed = time.perf_counter() - started
+    assert received and received[0] == payload  # delayed, never dropped or reordered
+    return elapsed
+
+
+@pytest.mark.parametrize("direction", ["up", "down"])
+def test_a_rate_holds_each_direction_to_its_bandwidth(echo_server, direction):
+    """1 MB at 40 Mbit/s takes 200 ms on the link: never less than 0.9x that (a lower bound a loaded machine
+    cannot break), and not several times more (a loose upper bound); the other direction is unlimited."""
+    payload = bytes(range(256)) * 3907  # ~1 MB
+    floor = len(payload) * 8 / 40e6
+    rates = {"up_mbit": 40} if direction == "up" else {"down_mbit": 40}
+    with DelayProxy(echo_server, rtt_ms=0, **rates) as proxy:
+        elapsed = time_to_echo(proxy, payload)
+    assert elapsed >= 0.9 * floor
+    assert elapsed < 10 * floor
+
+
+def test_the_rate_adds_to_the_round_trip_and_without_one_bytes_are_not_slowed(echo_server):
+    payload = bytes(range(256)) * 3907
+    with DelayProxy(echo_server, rtt_ms=RTT_MS, up_mbit=40, down_mbit=40) as proxy:
+        limited = time_to_echo(proxy, payload)
+    with DelayProxy(echo_server, rtt_ms=RTT_MS) as proxy:
+        unlimited = time_to_echo(proxy, payload)
+    assert limited >= 0.9 * (RTT_MS / 1000 + len(payload) * 8 / 40e6)
+    assert unlimited < limited
+
+
+def test_a_token_bucket_sends_a_burst_at_once_and_the_rest_at_the_rate():
+    from delay_proxy import BURST_BYTES, Link
+
+    link = Link(rate=1000.0)  # bytes per second
+    assert link.send(BURST_BYTES, now=100.0) == 100.0  # an idle link: a full bucket leaves at once
+    assert link.send(500, now=100.0) == pytest.approx(100.5)  # then at the rate
+    assert link.backlog(100.0) == pytest.approx(0.5)
+    assert link.send(BURST_BYTES + 1000, now=200.0) == pytest.approx(201.0)  # idle: the bucket refilled, to its depth
+    assert Link(None).send(10**9, now=5.0) == 5.0 and Link(None).backlog(5.0) == 0.0
+    with pytest.raises(ValueError, match="must be positive"):
+        DelayProxy("127.0.0.1:1", rtt_ms=0, up_mbit=0)
