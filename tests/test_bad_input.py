@@ -22,6 +22,7 @@ from infemeral.client.sampling import SamplingParams
 from infemeral.client.session import Session
 from infemeral.errors import OutOfRange, PermissionDenied
 from infemeral.protocol import pb, pb_grpc
+from infemeral.protocol.tensors import E4M3, to_proto
 
 pytestmark = pytest.mark.slow
 
@@ -276,6 +277,22 @@ STEP_CASES = {
     "truncate with a stale cache_length": lambda c: _case(
         [pb.TurnRequest(truncate=pb.Truncate(tokens=1, cache_length=c.history - 1))],
         grpc.StatusCode.ABORTED, f"client thinks the cache holds {c.history - 1} tokens but it holds {c.history}"),
+    "e4m3 with one scale for two rows": lambda c: _case(
+        [step(pb.Tensor(data=bytes(2 * c.hidden), dtype=E4M3, shape=[2, c.hidden], scale=[1.0]), c.history)],
+        grpc.StatusCode.INVALID_ARGUMENT, "float8_e4m3fn needs one scale per row: 1 scales for 2 rows"),
+    "e4m3 with a NaN scale": lambda c: _case(
+        [step(pb.Tensor(data=bytes(c.hidden), dtype=E4M3, shape=[1, c.hidden], scale=[float("nan")]), c.history)],
+        grpc.StatusCode.INVALID_ARGUMENT, "scales must be finite and positive"),
+    "e4m3 bytes short of the shape": lambda c: _case(
+        [step(pb.Tensor(data=bytes(c.hidden - 1), dtype=E4M3, shape=[1, c.hidden], scale=[1.0]), c.history)],
+        grpc.StatusCode.INVALID_ARGUMENT, "575 bytes do not match shape [1, 576] of float8_e4m3fn (576 bytes"),
+    "answer dtype asked by a plain step": lambda c: _case(
+        [pb.TurnRequest(step=pb.Step(hidden=_valid(c), cache_length=c.history, answer_dtype="float32"))],
+        grpc.StatusCode.INVALID_ARGUMENT, "only a step sent in float8_e4m3fn may ask"),
+    "e4m3 step asking for another dtype than the server's": lambda c: _case(
+        [pb.TurnRequest(step=pb.Step(hidden=to_proto(rows(1, c.hidden), E4M3), cache_length=c.history,
+                                     answer_dtype="float16"))],
+        grpc.StatusCode.INVALID_ARGUMENT, "answer_dtype 'float16'", "this server's (float32)"),
     "second open": lambda c: _case(
         [c.open()], grpc.StatusCode.INVALID_ARGUMENT, "unexpected message 'open'"),
     "empty message": lambda c: _case(

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from infemeral.client_half.half import ClientModel
 from infemeral.client.result import TurnResult
 from infemeral.client.sampling import SamplingParams
@@ -26,7 +24,7 @@ from infemeral.client.template import ChatTemplate
 from infemeral.cloak.bundle import ClientBundle
 from infemeral.errors import FailedPrecondition, NoChatTemplate
 from infemeral.protocol import pb
-from infemeral.protocol.tensors import WIRE_DTYPES
+from infemeral.protocol.tensors import Wire
 from infemeral.speculation.answer_index import AnswerIndex
 from infemeral.speculation.draft_length import SourceHistory
 from infemeral.speculation.source import DraftSource
@@ -59,7 +57,8 @@ class Client:
 
     `client_dtype` (auto, float32, bfloat16, float16), `client_device` (auto, cpu, cuda, mps) and
     `client_quant` (auto, none, int8) choose how the local half computes; None takes
-    INFEMERAL_CLIENT_* or auto."""
+    INFEMERAL_CLIENT_* or auto. `wire` (server, e4m3, e4m3-up; None takes INFEMERAL_WIRE or server)
+    chooses how hidden states travel (`ClientSettings.wire`)."""
 
     def __init__(self, server: str = "127.0.0.1:50051", client_bundle: str | Path | None = None, *,
                  timeout: float = 600.0, options: list | None = None, interceptors: list | None = None,
@@ -67,10 +66,12 @@ class Client:
                  tls_client_key: str | Path | None = None, tls_server_name: str | None = None,
                  api_key: str | None = None, answer_index: str | Path | AnswerIndex | None = None,
                  draft_model: str | Path | DraftSource | None = None, draft_head=None,
-                 client_dtype: str | None = None, client_device: str | None = None, client_quant: str | None = None):
+                 client_dtype: str | None = None, client_device: str | None = None, client_quant: str | None = None,
+                 wire: str | None = None):
         given = dict(client_bundle=client_bundle, client_dtype=client_dtype, client_device=client_device,
-                     client_quant=client_quant)
+                     client_quant=client_quant, wire=wire)
         settings = ClientSettings(**{k: v for k, v in given.items() if v is not None})
+        self.wire_mode = settings.wire
         self.bundle = ClientBundle.open(settings.client_bundle)
         self.model = ClientModel(self.bundle, dtype=settings.client_dtype, device=settings.client_device,
                                  quant=settings.client_quant)
@@ -110,7 +111,7 @@ class Client:
         how the laptop's half computes. Draft sources and the answer index are the caller's to add."""
         return cls(settings.server, settings.client_bundle, **settings.connection(),
                    client_dtype=settings.client_dtype, client_device=settings.client_device,
-                   client_quant=settings.client_quant)
+                   client_quant=settings.client_quant, wire=settings.wire)
 
     # -- server -------------------------------------------------------------------------------
     @property
@@ -137,8 +138,9 @@ class Client:
         return self._info
 
     @property
-    def wire_dtype(self) -> torch.dtype:
-        return WIRE_DTYPES.get(self.server_info().dtype, torch.float32)
+    def wire(self) -> Wire:
+        """How this client's turns send hidden states to the server and ask for its answers (`wire_mode`)."""
+        return Wire.choose(self.wire_mode, self.server_info().dtype)
 
     # -- text ---------------------------------------------------------------------------------
     def chat_ids(self, messages: list[dict]) -> list[int]:

@@ -98,7 +98,7 @@ class TurnLoop:
             session_id=session.id, session_key=session.key, expected_version=session.version,
             bundle_fingerprint=client.bundle.server_fingerprint, turn_id=self.turn_id,
             reserve_tokens=len(self.new_prompt) + self.params.max_new_tokens + slack))
-        self.link = TurnLink(client.model, session.cache, self.target_ids[:keep], stream, info, client.wire_dtype)
+        self.link = TurnLink(client.model, session.cache, self.target_ids[:keep], stream, info, client.wire)
         if opened.cache_length != session.cache.length:
             raise Aborted(f"server holds {opened.cache_length} tokens for this session but the client holds "
                           f"{session.cache.length}; the session file is out of date")

@@ -19,7 +19,7 @@ from infemeral.errors import Aborted
 from infemeral.kvcache.cache import KVCache
 from infemeral.kvcache.window import WindowPolicy, apply_window
 from infemeral.protocol import pb
-from infemeral.protocol.tensors import from_proto, to_proto
+from infemeral.protocol.tensors import Wire, from_proto, to_proto
 
 
 class TurnLink:
@@ -28,7 +28,7 @@ class TurnLink:
     `ids` are the tokens the caches hold, those the window evicted included (client-side only)."""
 
     def __init__(self, model, cache: KVCache, ids: list[int], stream: TurnStream, info: pb.ServerInfo,
-                 wire: torch.dtype):
+                 wire: Wire):
         self.model, self.cache, self.ids, self.stream, self.wire = model, cache, list(ids), stream, wire
         self.max_step_tokens, self.max_context = info.max_step_tokens, info.max_context
         self.window = WindowPolicy(info.max_context, info.sink_tokens, info.page_size or 1, enabled=info.window)
@@ -70,9 +70,10 @@ class TurnLink:
             self._keep_committed()
             apply_window(cache, window, len(ids), model.inv_freq)
             self.num_evicted += evict
-        hidden = model.cloak(ids, cache).to(self.wire)
-        self.stream.send(pb.TurnRequest(step=pb.Step(hidden=to_proto(hidden), cache_length=before, evict=evict,
-                                                     outputs=num_outputs if num_outputs > 1 else 0)))
+        hidden = model.cloak(ids, cache)
+        self.stream.send(pb.TurnRequest(step=pb.Step(hidden=to_proto(hidden, self.wire.upload), cache_length=before,
+                                                     evict=evict, outputs=num_outputs if num_outputs > 1 else 0,
+                                                     answer_dtype=self.wire.answer)))
         if drop:
             self._check_truncated(self.stream.receive("truncated"), before)
         out = self.stream.receive("step")

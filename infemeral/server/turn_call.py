@@ -34,9 +34,10 @@ from urllib.parse import unquote
 
 import grpc
 
+from infemeral.cloak.bundle import dtype_name
 from infemeral.errors import DeadlineExceeded, InvalidArgument, StatusError
 from infemeral.protocol import pb
-from infemeral.protocol.tensors import from_proto, to_proto
+from infemeral.protocol.tensors import E4M3, from_proto, to_proto
 from infemeral.server.config import ServiceLimits
 from infemeral.server.engine import BUSY_GRACE_SECONDS, Engine, SessionInTurn, short_id
 from infemeral.server.turn import Turn
@@ -177,14 +178,28 @@ class TurnCall:
 
     async def _step(self, step: pb.Step) -> pb.TurnResponse:
         started = time.perf_counter()
+        answer_dtype = self._answer_dtype(step)
         hidden = from_proto(step.hidden, self.engine.hidden_size, self.engine.max_step_tokens)
+        if step.hidden.dtype == E4M3:  # decoded to float32: into the layers' dtype, which it is then answered in
+            hidden = hidden.to(self.engine.dtype)
         await self._refresh_lock()
         future = self.engine.submit_step(self.turn, hidden, step.cache_length, step.outputs, step.evict)
         out = await self._bounded(asyncio.wrap_future(future))
         self.engine.metrics.step_answered(time.perf_counter() - started)
-        # The engine answers in the step's own dtype, and checked the answer in it.
-        return pb.TurnResponse(step=pb.StepResult(hidden=to_proto(out.hidden),
+        # The engine answers in the dtype of `hidden`, and checked the answer in it; any finite row fits e4m3.
+        return pb.TurnResponse(step=pb.StepResult(hidden=to_proto(out.hidden, E4M3 if answer_dtype == E4M3 else None),
                                                   cache_length=out.cache_length, evicted=out.num_evicted))
+
+    def _answer_dtype(self, step: pb.Step) -> str:
+        """The dtype the step is answered in: the one it was sent in, or the server's for an 8-bit upload."""
+        if not step.answer_dtype:
+            return step.hidden.dtype
+        own = dtype_name(self.engine.dtype)  # as ServerInfo.dtype names it
+        if step.hidden.dtype != E4M3 or step.answer_dtype != own:
+            raise InvalidArgument(f"answer_dtype {step.answer_dtype!r}: only a step sent in {E4M3} may ask for its "
+                                  f"answer in another dtype, and only in this server's ({own}); leave it empty to "
+                                  "be answered in the dtype sent")
+        return step.answer_dtype
 
     async def _refresh_lock(self) -> None:
         """Keep the session's store lease alive during a long turn (store I/O, so on a turn thread)."""

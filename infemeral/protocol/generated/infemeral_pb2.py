@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cinfemeral/v1/infemeral.proto\x12\x0cinfemeral.v1\"4\n\x06Tensor\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"\xab\x01\n\x08OpenTurn\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\x12\x13\n\x0bsession_key\x18\x02 \x01(\x0c\x12\x18\n\x10\x65xpected_version\x18\x03 \x01(\x04\x12\x1a\n\x12\x62undle_fingerprint\x18\x04 \x01(\t\x12\x0f\n\x07turn_id\x18\x05 \x01(\x0c\x12\x17\n\x0fpending_turn_id\x18\x06 \x01(\x0c\x12\x16\n\x0ereserve_tokens\x18\x07 \x01(\x04\"b\n\x04Step\x12$\n\x06hidden\x18\x01 \x01(\x0b\x32\x14.infemeral.v1.Tensor\x12\x14\n\x0c\x63\x61\x63he_length\x18\x02 \x01(\x04\x12\x0f\n\x07outputs\x18\x03 \x01(\r\x12\r\n\x05\x65vict\x18\x04 \x01(\x04\"0\n\x08Truncate\x12\x0e\n\x06tokens\x18\x01 \x01(\x04\x12\x14\n\x0c\x63\x61\x63he_length\x18\x02 \x01(\x04\"\x08\n\x06\x43ommit\"\x0b\n\tKeepAlive\"\xe3\x01\n\x0bTurnRequest\x12&\n\x04open\x18\x01 \x01(\x0b\x32\x16.infemeral.v1.OpenTurnH\x00\x12\"\n\x04step\x18\x02 \x01(\x0b\x32\x12.infemeral.v1.StepH\x00\x12*\n\x08truncate\x18\x03 \x01(\x0b\x32\x16.infemeral.v1.TruncateH\x00\x12&\n\x06\x63ommit\x18\x04 \x01(\x0b\x32\x14.infemeral.v1.CommitH\x00\x12,\n\tkeepalive\x18\x05 \x01(\x0b\x32\x17.infemeral.v1.KeepAliveH\x00\x42\x06\n\x04kind\"J\n\x06Opened\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x14\n\x0c\x63\x61\x63he_length\x18\x02 \x01(\x04\x12\x19\n\x11pending_committed\x18\x03 \x01(\x08\"Y\n\nStepResult\x12$\n\x06hidden\x18\x01 \x01(\x0b\x32\x14.infemeral.v1.Tensor\x12\x14\n\x0c\x63\x61\x63he_length\x18\x02 \x01(\x04\x12\x0f\n\x07\x65victed\x18\x03 \x01(\x04\"!\n\tTruncated\x12\x14\n\x0c\x63\x61\x63he_length\x18\x01 \x01(\x04\"2\n\tCommitted\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x14\n\x0c\x63\x61\x63he_length\x18\x02 \x01(\x04\"\xc4\x01\n\x0cTurnResponse\x12&\n\x06opened\x18\x01 \x01(\x0b\x32\x14.infemeral.v1.OpenedH\x00\x12(\n\x04step\x18\x02 \x01(\x0b\x32\x18.infemeral.v1.StepResultH\x00\x12,\n\ttruncated\x18\x03 \x01(\x0b\x32\x17.infemeral.v1.TruncatedH\x00\x12,\n\tcommitted\x18\x04 \x01(\x0b\x32\x17.infemeral.v1.CommittedH\x00\x42\x06\n\x04kind\"\x13\n\x11ServerInfoRequest\"\xb2\x03\n\nServerInfo\x12\x1a\n\x12\x62undle_fingerprint\x18\x01 \x01(\t\x12\x12\n\nmodel_type\x18\x02 \x01(\t\x12\x13\n\x0bhidden_size\x18\x03 \x01(\r\x12\x13\n\x0b\x66irst_layer\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x14\n\x0ctotal_layers\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x17\n\x0fmax_step_tokens\x18\t \x01(\r\x12\x13\n\x0bmax_context\x18\n \x01(\x04\x12\x19\n\x11max_message_bytes\x18\x0b \x01(\x04\x12\x16\n\x0eserver_version\x18\x0c \x01(\t\x12\x18\n\x10protocol_version\x18\r \x01(\r\x12\x0e\n\x06window\x18\x0e \x01(\x08\x12\x13\n\x0bsink_tokens\x18\x0f \x01(\r\x12\x11\n\tpage_size\x18\x10 \x01(\r\x12\x19\n\x11turn_idle_seconds\x18\x11 \x01(\x02\x12\x18\n\x10max_turn_seconds\x18\x12 \x01(\x02\x12\x19\n\x11\x62undle_unverified\x18\x13 \x01(\x08\"?\n\x14\x44\x65leteSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\x12\x13\n\x0bsession_key\x18\x02 \x01(\x0c\"\x17\n\x15\x44\x65leteSessionResponse2\xf4\x01\n\tInfemeral\x12\x41\n\x04Turn\x12\x19.infemeral.v1.TurnRequest\x1a\x1a.infemeral.v1.TurnResponse(\x01\x30\x01\x12J\n\rGetServerInfo\x12\x1f.infemeral.v1.ServerInfoRequest\x1a\x18.infemeral.v1.ServerInfo\x12X\n\rDeleteSession\x12\".infemeral.v1.DeleteSessionRequest\x1a#.infemeral.v1.DeleteSessionResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cinfemeral/v1/infemeral.proto\x12\x0cinfemeral.v1\"C\n\x06Tensor\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\r\n\x05scale\x18\x04 \x03(\x02\"\xab\x01\n\x08OpenTurn\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\x12\x13\n\x0bsession_key\x18\x02 \x01(\x0c\x12\x18\n\x10\x65xpected_version\x18\x03 \x01(\x04\x12\x1a\n\x12\x62undle_fingerprint\x18\x04 \x01(\t\x12\x0f\n\x07turn_id\x18\x05 \x01(\x0c\x12\x17\n\x0fpending_turn_id\x18\x06 \x01(\x0c\x12\x16\n\x0ereserve_tokens\x18\x07 \x01(\x04\"x\n\x04Step\x12$\n\x06hidden\x18\x01 \x01(\x0b\x32\x14.infemeral.v1.Tensor\x12\x14\n\x0c\x63\x61\x63he_length\x18\x02 \x01(\x04\x12\x0f\n\x07outputs\x18\x03 \x01(\r\x12\r\n\x05\x65vict\x18\x04 \x01(\x04\x12\x14\n\x0c\x61nswer_dtype\x18\x05 \x01(\t\"0\n\x08Truncate\x12\x0e\n\x06tokens\x18\x01 \x01(\x04\x12\x14\n\x0c\x63\x61\x63he_length\x18\x02 \x01(\x04\"\x08\n\x06\x43ommit\"\x0b\n\tKeepAlive\"\xe3\x01\n\x0bTurnRequest\x12&\n\x04open\x18\x01 \x01(\x0b\x32\x16.infemeral.v1.OpenTurnH\x00\x12\"\n\x04step\x18\x02 \x01(\x0b\x32\x12.infemeral.v1.StepH\x00\x12*\n\x08truncate\x18\x03 \x01(\x0b\x32\x16.infemeral.v1.TruncateH\x00\x12&\n\x06\x63ommit\x18\x04 \x01(\x0b\x32\x14.infemeral.v1.CommitH\x00\x12,\n\tkeepalive\x18\x05 \x01(\x0b\x32\x17.infemeral.v1.KeepAliveH\x00\x42\x06\n\x04kind\"J\n\x06Opened\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x14\n\x0c\x63\x61\x63he_length\x18\x02 \x01(\x04\x12\x19\n\x11pending_committed\x18\x03 \x01(\x08\"Y\n\nStepResult\x12$\n\x06hidden\x18\x01 \x01(\x0b\x32\x14.infemeral.v1.Tensor\x12\x14\n\x0c\x63\x61\x63he_length\x18\x02 \x01(\x04\x12\x0f\n\x07\x65victed\x18\x03 \x01(\x04\"!\n\tTruncated\x12\x14\n\x0c\x63\x61\x63he_length\x18\x01 \x01(\x04\"2\n\tCommitted\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x14\n\x0c\x63\x61\x63he_length\x18\x02 \x01(\x04\"\xc4\x01\n\x0cTurnResponse\x12&\n\x06opened\x18\x01 \x01(\x0b\x32\x14.infemeral.v1.OpenedH\x00\x12(\n\x04step\x18\x02 \x01(\x0b\x32\x18.infemeral.v1.StepResultH\x00\x12,\n\ttruncated\x18\x03 \x01(\x0b\x32\x17.infemeral.v1.TruncatedH\x00\x12,\n\tcommitted\x18\x04 \x01(\x0b\x32\x17.infemeral.v1.CommittedH\x00\x42\x06\n\x04kind\"\x13\n\x11ServerInfoRequest\"\xb2\x03\n\nServerInfo\x12\x1a\n\x12\x62undle_fingerprint\x18\x01 \x01(\t\x12\x12\n\nmodel_type\x18\x02 \x01(\t\x12\x13\n\x0bhidden_size\x18\x03 \x01(\r\x12\x13\n\x0b\x66irst_layer\x18\x04 \x01(\r\x12\x12\n\nnum_layers\x18\x05 \x01(\r\x12\x14\n\x0ctotal_layers\x18\x06 \x01(\r\x12\r\n\x05\x64type\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12\x17\n\x0fmax_step_tokens\x18\t \x01(\r\x12\x13\n\x0bmax_context\x18\n \x01(\x04\x12\x19\n\x11max_message_bytes\x18\x0b \x01(\x04\x12\x16\n\x0eserver_version\x18\x0c \x01(\t\x12\x18\n\x10protocol_version\x18\r \x01(\r\x12\x0e\n\x06window\x18\x0e \x01(\x08\x12\x13\n\x0bsink_tokens\x18\x0f \x01(\r\x12\x11\n\tpage_size\x18\x10 \x01(\r\x12\x19\n\x11turn_idle_seconds\x18\x11 \x01(\x02\x12\x18\n\x10max_turn_seconds\x18\x12 \x01(\x02\x12\x19\n\x11\x62undle_unverified\x18\x13 \x01(\x08\"?\n\x14\x44\x65leteSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\x12\x13\n\x0bsession_key\x18\x02 \x01(\x0c\"\x17\n\x15\x44\x65leteSessionResponse2\xf4\x01\n\tInfemeral\x12\x41\n\x04Turn\x12\x19.infemeral.v1.TurnRequest\x1a\x1a.infemeral.v1.TurnResponse(\x01\x30\x01\x12J\n\rGetServerInfo\x12\x1f.infemeral.v1.ServerInfoRequest\x1a\x18.infemeral.v1.ServerInfo\x12X\n\rDeleteSession\x12\".infemeral.v1.DeleteSessionRequest\x1a#.infemeral.v1.DeleteSessionResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,37 +32,37 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'infemeral.v1.infemeral_pb2'
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TENSOR']._serialized_start=46
-  _globals['_TENSOR']._serialized_end=98
-  _globals['_OPENTURN']._serialized_start=101
-  _globals['_OPENTURN']._serialized_end=272
-  _globals['_STEP']._serialized_start=274
-  _globals['_STEP']._serialized_end=372
-  _globals['_TRUNCATE']._serialized_start=374
-  _globals['_TRUNCATE']._serialized_end=422
-  _globals['_COMMIT']._serialized_start=424
-  _globals['_COMMIT']._serialized_end=432
-  _globals['_KEEPALIVE']._serialized_start=434
-  _globals['_KEEPALIVE']._serialized_end=445
-  _globals['_TURNREQUEST']._serialized_start=448
-  _globals['_TURNREQUEST']._serialized_end=675
-  _globals['_OPENED']._serialized_start=677
-  _globals['_OPENED']._serialized_end=751
-  _globals['_STEPRESULT']._serialized_start=753
-  _globals['_STEPRESULT']._serialized_end=842
-  _globals['_TRUNCATED']._serialized_start=844
-  _globals['_TRUNCATED']._serialized_end=877
-  _globals['_COMMITTED']._serialized_start=879
-  _globals['_COMMITTED']._serialized_end=929
-  _globals['_TURNRESPONSE']._serialized_start=932
-  _globals['_TURNRESPONSE']._serialized_end=1128
-  _globals['_SERVERINFOREQUEST']._serialized_start=1130
-  _globals['_SERVERINFOREQUEST']._serialized_end=1149
-  _globals['_SERVERINFO']._serialized_start=1152
-  _globals['_SERVERINFO']._serialized_end=1586
-  _globals['_DELETESESSIONREQUEST']._serialized_start=1588
-  _globals['_DELETESESSIONREQUEST']._serialized_end=1651
-  _globals['_DELETESESSIONRESPONSE']._serialized_start=1653
-  _globals['_DELETESESSIONRESPONSE']._serialized_end=1676
-  _globals['_INFEMERAL']._serialized_start=1679
-  _globals['_INFEMERAL']._serialized_end=1923
+  _globals['_TENSOR']._serialized_end=113
+  _globals['_OPENTURN']._serialized_start=116
+  _globals['_OPENTURN']._serialized_end=287
+  _globals['_STEP']._serialized_start=289
+  _globals['_STEP']._serialized_end=409
+  _globals['_TRUNCATE']._serialized_start=411
+  _globals['_TRUNCATE']._serialized_end=459
+  _globals['_COMMIT']._serialized_start=461
+  _globals['_COMMIT']._serialized_end=469
+  _globals['_KEEPALIVE']._serialized_start=471
+  _globals['_KEEPALIVE']._serialized_end=482
+  _globals['_TURNREQUEST']._serialized_start=485
+  _globals['_TURNREQUEST']._serialized_end=712
+  _globals['_OPENED']._serialized_start=714
+  _globals['_OPENED']._serialized_end=788
+  _globals['_STEPRESULT']._serialized_start=790
+  _globals['_STEPRESULT']._serialized_end=879
+  _globals['_TRUNCATED']._serialized_start=881
+  _globals['_TRUNCATED']._serialized_end=914
+  _globals['_COMMITTED']._serialized_start=916
+  _globals['_COMMITTED']._serialized_end=966
+  _globals['_TURNRESPONSE']._serialized_start=969
+  _globals['_TURNRESPONSE']._serialized_end=1165
+  _globals['_SERVERINFOREQUEST']._serialized_start=1167
+  _globals['_SERVERINFOREQUEST']._serialized_end=1186
+  _globals['_SERVERINFO']._serialized_start=1189
+  _globals['_SERVERINFO']._serialized_end=1623
+  _globals['_DELETESESSIONREQUEST']._serialized_start=1625
+  _globals['_DELETESESSIONREQUEST']._serialized_end=1688
+  _globals['_DELETESESSIONRESPONSE']._serialized_start=1690
+  _globals['_DELETESESSIONRESPONSE']._serialized_end=1713
+  _globals['_INFEMERAL']._serialized_start=1716
+  _globals['_INFEMERAL']._serialized_end=1960
 # @@protoc_insertion_point(module_scope)

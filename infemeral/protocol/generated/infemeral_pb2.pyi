@@ -7,14 +7,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Tensor(_message.Message):
-    __slots__ = ("data", "dtype", "shape")
+    __slots__ = ("data", "dtype", "shape", "scale")
     DATA_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
+    SCALE_FIELD_NUMBER: _ClassVar[int]
     data: bytes
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, data: _Optional[bytes] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+    scale: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, data: _Optional[bytes] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., scale: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class OpenTurn(_message.Message):
     __slots__ = ("session_id", "session_key", "expected_version", "bundle_fingerprint", "turn_id", "pending_turn_id", "reserve_tokens")
@@ -35,16 +37,18 @@ class OpenTurn(_message.Message):
     def __init__(self, session_id: _Optional[bytes] = ..., session_key: _Optional[bytes] = ..., expected_version: _Optional[int] = ..., bundle_fingerprint: _Optional[str] = ..., turn_id: _Optional[bytes] = ..., pending_turn_id: _Optional[bytes] = ..., reserve_tokens: _Optional[int] = ...) -> None: ...
 
 class Step(_message.Message):
-    __slots__ = ("hidden", "cache_length", "outputs", "evict")
+    __slots__ = ("hidden", "cache_length", "outputs", "evict", "answer_dtype")
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     CACHE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     EVICT_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_DTYPE_FIELD_NUMBER: _ClassVar[int]
     hidden: Tensor
     cache_length: int
     outputs: int
     evict: int
-    def __init__(self, hidden: _Optional[_Union[Tensor, _Mapping]] = ..., cache_length: _Optional[int] = ..., outputs: _Optional[int] = ..., evict: _Optional[int] = ...) -> None: ...
+    answer_dtype: str
+    def __init__(self, hidden: _Optional[_Union[Tensor, _Mapping]] = ..., cache_length: _Optional[int] = ..., outputs: _Optional[int] = ..., evict: _Optional[int] = ..., answer_dtype: _Optional[str] = ...) -> None: ...
 
 class Truncate(_message.Message):
     __slots__ = ("tokens", "cache_length")
