@@ -21,7 +21,7 @@ from types import ModuleType
 from bench.harness import MachineLoad, Target
 
 ORDER = ("prepare", "decode", "context", "wire", "store", "concurrency", "agreement", "profile", "speculation",
-         "client", "startup", "tensor_parallel", "server_quant", "prepare_big")
+         "client", "startup", "tensor_parallel", "server_quant", "prepare_big", "upload")
 
 
 @dataclass

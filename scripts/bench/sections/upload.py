@@ -1,0 +1,416 @@
+"""Upload: time to first token of long prompts over a home uplink, by how hidden states travel.
+
+Every prompt token goes up as a hidden state (d x bytes per element), so over a home uplink the time to the
+first token of a long prompt is mostly the upload. The link is `scripts/delay_proxy.py`: 80 ms round trip,
+20 or 100 Mbit/s up, 100 Mbit/s down, token-bucket paced. Four parts, each its own rows:
+
+* transport: a turn's prompt steps (max_step_tokens each, each waiting for its answer, as the client sends
+  them) through the proxy to a stand-in pod that decodes every step as the server does and answers its last
+  row in the wire asked for, without running layers: the real encoding, message sizes and gRPC framing,
+  against the floor of the upload's bytes over the link rate. At the default model's width (576) with its
+  own hidden states, and at Llama-3-8B's (4,096) with random rows of that width (sizes and encoding time do
+  not depend on the values);
+* end to end: the real split (client half and a bfloat16 server of the default model) through the proxy,
+  time to first token as the client measures it, laptop and pod compute included;
+* agreement: each 8-bit wire against the bfloat16 wire on the default model, in process through the real
+  encoders (`to_proto`/`from_proto`) and the served layers in bfloat16 (`infemeral.eval`'s systems and
+  measures): top-1 agreement teacher-forced over the bfloat16 wire's greedy answers, the first divergence
+  (where free greedy decoding would part), and perplexity on held text;
+* lossless coding of the bfloat16 wire: compression ratio and speed of deflate (what gRPC's gzip sends) on
+  the default model's real hidden states, and whether it pays at each link rate.
+
+The compute of the 8B shape is not run here (a CPU takes minutes per layer at these lengths; a pod's GPU
+prefills in well under a second): what the wire changes is the transport, which is measured.
+"""
+
+from __future__ import annotations
+
+import queue
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+from bench.harness import at_most, fmt, log, now
+from infemeral.protocol import pb_grpc
+from bench.sections import Result
+
+NAME = "upload"
+TITLE = "Long prompts over a home uplink: the wire's encoding"
+RTT_MS = 80
+DOWN_MBIT = 100
+UP_MBIT = (20, 100)
+PROMPTS = (512, 2048, 4096, 8192)
+QUICK_PROMPTS = (512, 4096)
+END_TO_END_PROMPTS = (512, 2048)        # the real split's compute on this CPU grows fast past these
+WIDTHS = {"default": 576, "llama-3-8b": 4096}
+WIRES = ("bfloat16", "e4m3", "e4m3-up")  # the server wire of a bfloat16 pod, and the two 8-bit ones
+TARGET_TOKENS, TARGET_MBIT, TARGET_RATIO, TARGET_TOP1 = 4096, 20, 0.55, 0.99
+AGREEMENT_POSITIONS, HELD_TOKENS = 512, 1024
+DEFLATE_LEVELS = (1, 6)                  # fastest, and zlib's default (gRPC's gzip)
+
+
+@dataclass
+class TransportRow:
+    shape: str
+    wire: str
+    prompt_tokens: int
+    up_mbit: float
+    upload_bytes: int          # serialized step requests, as gRPC sends them (framing not counted)
+    encode_seconds: float      # to_proto of every step on the laptop
+    ttft_seconds: float        # open, every step up and its answer back, through the proxy; no layers run
+
+    @property
+    def floor_seconds(self) -> float:
+        return self.upload_bytes * 8 / (self.up_mbit * 1e6)
+
+    @property
+    def over_floor(self) -> float:
+        return self.ttft_seconds / self.floor_seconds if self.floor_seconds else float("nan")
+
+
+@dataclass
+class EndToEndRow:
+    wire: str
+    prompt_tokens: int
+    up_mbit: float
+    ttft_seconds: float        # the client's time to first token: its layers, the upload, the pod's, the answer
+
+
+@dataclass
+class AgreementRow:
+    wire: str
+    positions: int
+    top1_matches: int
+    first_divergence: int | None
+    perplexity: float
+    reference_perplexity: float  # the bfloat16 wire's, on the same held text
+
+    @property
+    def top1_rate(self) -> float:
+        return self.top1_matches / self.positions if self.positions else float("nan")
+
+    @property
+    def perplexity_ratio(self) -> float:
+        return self.perplexity / self.reference_perplexity
+
+
+@dataclass
+class CodingRow:
+    codec: str
+    raw_mb: float
+    ratio: float               # coded / raw bytes
+    compress_mb_s: float       # raw MB per second
+    decompress_mb_s: float
+
+    def upload_seconds_per_mb(self, mbit: float) -> float:
+        """One raw MB through the codec and a link of `mbit`: compress, send the coded bytes, decompress."""
+        return 1 / self.compress_mb_s + self.ratio * 8 / mbit + 1 / self.decompress_mb_s
+
+
+# -- the wire through the link ------------------------------------------------------------------------------
+def wire_of(name: str):
+    from infemeral.protocol.tensors import Wire
+
+    return Wire("bfloat16") if name == "bfloat16" else Wire.choose(name, "bfloat16")
+
+
+class StandInPod(pb_grpc.InfemeralServicer):
+    """A gRPC Turn service that decodes each step as the server does and answers its last rows in the wire asked
+    for, running no layers: what the pod's side of the transport costs."""
+
+    def __init__(self, hidden_size: int):
+        import grpc
+        from concurrent import futures
+
+        from infemeral.client.client import CHANNEL_OPTIONS
+
+        self.hidden_size = hidden_size
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=CHANNEL_OPTIONS)
+        pb_grpc.add_InfemeralServicer_to_server(self, self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+
+    def Turn(self, requests, context):  # noqa: N802 - the gRPC method's name
+        from infemeral.protocol import pb
+        from infemeral.protocol.tensors import E4M3, from_proto, to_proto
+
+        length = 0
+        for request in requests:
+            if request.WhichOneof("kind") == "open":
+                yield pb.TurnResponse(opened=pb.Opened())
+                continue
+            step = request.step
+            hidden = from_proto(step.hidden, self.hidden_size, 1 << 20).to(torch.bfloat16)
+            length += hidden.shape[0]
+            answer = step.answer_dtype or step.hidden.dtype
+            out = to_proto(hidden[-max(step.outputs, 1):], E4M3 if answer == E4M3 else "bfloat16")
+            yield pb.TurnResponse(step=pb.StepResult(hidden=out, cache_length=length))
+
+    def close(self) -> None:
+        self.server.stop(0)
+
+
+def transport_turn(address: str, hidden: torch.Tensor, wire, chunk: int) -> tuple[float, float, int]:
+    """One turn's prompt through `address`: (seconds from open to the last answer, seconds encoding, bytes up)."""
+    import grpc
+
+    from infemeral.client.client import CHANNEL_OPTIONS
+    from infemeral.protocol import pb, pb_grpc
+    from infemeral.protocol.tensors import from_proto, to_proto
+
+    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        grpc.channel_ready_future(channel).result(timeout=30)
+        requests: queue.Queue = queue.Queue()
+        replies = pb_grpc.InfemeralStub(channel).Turn(iter(requests.get, None), timeout=600)
+        started = now()
+        requests.put(pb.TurnRequest(open=pb.OpenTurn()))
+        next(replies)
+        encode = 0.0
+        sent = 0
+        for start in range(0, hidden.shape[0], chunk):
+            t = now()
+            tensor = to_proto(hidden[start:start + chunk], wire.upload)
+            encode += now() - t
+            request = pb.TurnRequest(step=pb.Step(hidden=tensor, cache_length=start, answer_dtype=wire.answer))
+            sent += request.ByteSize()
+            requests.put(request)
+            from_proto(next(replies).step.hidden, hidden.shape[1], 1)
+        elapsed = now() - started
+        requests.put(None)
+        replies.cancel()
+    return elapsed, encode, sent
+
+
+def measure_transport(shape: str, hidden_of, prompts, rates, chunk: int) -> list[TransportRow]:
+    from delay_proxy import DelayProxy
+
+    width = WIDTHS[shape]
+    pod = StandInPod(width)
+    rows = []
+    try:
+        for n in prompts:
+            hidden = hidden_of(n)
+            for mbit in rates:
+                with DelayProxy(f"127.0.0.1:{pod.port}", rtt_ms=RTT_MS, up_mbit=mbit, down_mbit=DOWN_MBIT) as proxy:
+                    for wire in WIRES:
+                        ttft, encode, sent = transport_turn(proxy.address, hidden, wire_of(wire), chunk)
+                        rows.append(TransportRow(shape, wire, n, mbit, sent, encode, ttft))
+                        log(f"  {shape} {n} tokens, {mbit} Mbit/s up, {wire}: {ttft:.2f} s "
+                            f"({sent / 1e6:.1f} MB, floor {rows[-1].floor_seconds:.2f} s)")
+    finally:
+        pod.close()
+    return rows
+
+
+def random_rows(n: int, width: int = WIDTHS["llama-3-8b"]) -> torch.Tensor:
+    """Rows of the 8B width with a few outlier channels, as residual streams have (values do not change the
+    bytes or the encoding's time)."""
+    gen = torch.Generator().manual_seed(n)
+    rows = torch.randn(n, width, generator=gen)
+    rows[:, :8] *= 40
+    return rows
+
+
+class DefaultHidden:
+    """The default model's own hidden states for prompts of each length: what the client half sends."""
+
+    def __init__(self, split):
+        self.split = split
+
+    @torch.inference_mode()
+    def __call__(self, n: int) -> torch.Tensor:
+        model = self.split.client.model
+        _, ids = self.split.prompt_of_length(n)
+        cache = model.new_cache()
+        chunk = self.split.info.max_step_tokens
+        return torch.cat([model.cloak(ids[i:i + chunk], cache) for i in range(0, len(ids), chunk)])
+
+
+# -- end to end on the default model --------------------------------------------------------------------------
+def measure_end_to_end(wb, split, prompts, rates) -> list[EndToEndRow]:
+    from delay_proxy import DelayProxy
+
+    from infemeral.client.client import Client
+    from infemeral.client.sampling import SamplingParams
+
+    rows = []
+    once = SamplingParams(max_new_tokens=1, speculate="off")
+    for mbit in rates:
+        with DelayProxy(split.address, rtt_ms=RTT_MS, up_mbit=mbit, down_mbit=DOWN_MBIT) as proxy:
+            for wire in WIRES:
+                mode = "server" if wire == "bfloat16" else wire
+                client = Client(proxy.address, wb.client_dir, timeout=600, client_device="cpu",
+                                wire=mode)
+                try:
+                    client.generate("Hello!", SamplingParams(max_new_tokens=2, speculate="off"))  # warm-up
+                    for n in prompts:
+                        text, _ = split.prompt_of_length(n)
+                        result = client.generate(text, once)
+                        rows.append(EndToEndRow(wire, result.prompt_tokens, mbit, result.time_to_first_token))
+                        log(f"  end to end {result.prompt_tokens} tokens, {mbit} Mbit/s up, {wire}: "
+                            f"{result.time_to_first_token:.2f} s")
+                finally:
+                    client.close()
+    return rows
+
+
+# -- agreement on the default model ---------------------------------------------------------------------------
+def measure_agreement(wb, positions: int, held_tokens: int) -> list[AgreementRow]:
+    """Each 8-bit wire against the bfloat16 wire, through the real encoders and bfloat16 served layers."""
+    from infemeral.eval import metrics
+    from infemeral.eval.server_quant import AGREEMENT_PROMPTS
+    from infemeral.eval.systems import BundleSplit
+
+    base = BundleSplit(wb.client_dir, wb.server_dir, dtype=torch.bfloat16)
+    tokenizer = base.client.bundle.laptop_tokenizer()
+    systems = {wire: WireSplit(base, wire_of(wire)) for wire in WIRES}
+    reference = systems["bfloat16"]
+    prompts = [metrics.chat_ids(tokenizer, p) for p in AGREEMENT_PROMPTS]
+    stop = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    sequences = metrics.greedy_sequences(reference, prompts, positions, stop)
+    held = tokenizer(metrics.DEFAULT_TEXT.read_text(), add_special_tokens=False)["input_ids"][:held_tokens]
+    reference_perplexity = metrics.perplexity(reference, held)
+    rows = []
+    for wire in WIRES[1:]:
+        agreed = metrics.agreement(systems[wire], sequences)
+        rows.append(AgreementRow(wire, agreed.positions, agreed.top1_matches, agreed.first_divergence,
+                                 metrics.perplexity(systems[wire], held), reference_perplexity))
+        log(f"  {wire} against the bfloat16 wire: {agreed.describe()}, perplexity x{rows[-1].perplexity_ratio:.4f}")
+    return rows
+
+
+class WireSplit:
+    """The split with the wire between its halves: the client's hidden states encoded and decoded as sent, the
+    served layers' answers as they come back."""
+
+    def __init__(self, split, wire):
+        self.split, self.wire = split, wire
+
+    def new_cache(self):
+        return self.split.new_cache()
+
+    @torch.inference_mode()
+    def logits(self, ids: list[int], cache) -> torch.Tensor:
+        from infemeral.protocol.tensors import E4M3, from_proto, to_proto
+
+        client, server = self.split.client, self.split.server
+        client_cache, server_cache = cache
+        d = client.hidden_size
+        sent = from_proto(to_proto(client.cloak(ids, client_cache), self.wire.upload), d, len(ids))
+        out = server(sent.to(torch.bfloat16), server_cache)
+        answer = self.wire.answer or self.wire.upload
+        back = from_proto(to_proto(out, E4M3 if answer == E4M3 else "bfloat16"), d, len(ids))
+        return client.logits(back.to(torch.float32))
+
+
+# -- lossless coding of the bfloat16 wire ---------------------------------------------------------------------
+def measure_coding(hidden: torch.Tensor) -> list[CodingRow]:
+    raw = hidden.to(torch.bfloat16).contiguous().view(torch.uint8).numpy().tobytes()
+    rows = []
+    for level in DEFLATE_LEVELS:
+        t = now()
+        coded = zlib.compress(raw, level)
+        compress = now() - t
+        t = now()
+        assert zlib.decompress(coded) == raw
+        decompress = now() - t
+        mb = len(raw) / 1e6
+        rows.append(CodingRow(f"deflate level {level}", mb, len(coded) / len(raw), mb / compress, mb / decompress))
+        log(f"  {rows[-1].codec}: {rows[-1].ratio:.3f} of the bytes, {rows[-1].compress_mb_s:.0f} MB/s in, "
+            f"{rows[-1].decompress_mb_s:.0f} MB/s out")
+    return rows
+
+
+# -- the section ----------------------------------------------------------------------------------------------
+def run(wb) -> Result:
+    split = wb.split("bfloat16")
+    chunk = split.info.max_step_tokens
+    prompts = QUICK_PROMPTS if wb.quick else PROMPTS
+    rates = (TARGET_MBIT,) if wb.quick else UP_MBIT
+    default_hidden = DefaultHidden(split)
+    log("  transport (a stand-in pod: encoding, bytes and framing through the link, no layers)")
+    rows: list = measure_transport("llama-3-8b", random_rows, prompts, rates, chunk)
+    rows += measure_transport("default", default_hidden, prompts[:1] if wb.quick else prompts, rates, chunk)
+    log("  end to end (the default model's split, bfloat16 pod)")
+    rows += measure_end_to_end(wb, split, END_TO_END_PROMPTS[:1] if wb.quick else END_TO_END_PROMPTS, rates)
+    log("  agreement of the 8-bit wires with the bfloat16 wire")
+    rows += measure_agreement(wb, 64 if wb.quick else AGREEMENT_POSITIONS, 256 if wb.quick else HELD_TOKENS)
+    log("  lossless coding of the bfloat16 wire")
+    rows += measure_coding(default_hidden(prompts[-1]))
+    facts = summarise(rows)
+    return Result(NAME, method(chunk), rows, targets(facts), facts)
+
+
+def summarise(rows: list) -> dict:
+    transport = {(r.shape, r.wire, r.prompt_tokens, r.up_mbit): r for r in rows if isinstance(r, TransportRow)}
+    agreement = {r.wire: r for r in rows if isinstance(r, AgreementRow)}
+    facts: dict = {"ratio_to_bf16": {}, "top1": {w: r.top1_rate for w, r in agreement.items()}}
+    for (shape, wire, n, mbit), r in transport.items():
+        base = transport.get((shape, "bfloat16", n, mbit))
+        if base is not None and wire != "bfloat16":
+            facts["ratio_to_bf16"][f"{shape}/{wire}/{n}/{mbit:g}"] = r.ttft_seconds / base.ttft_seconds
+    coding = [r for r in rows if isinstance(r, CodingRow)]
+    facts["coding_pays"] = {f"{r.codec} at {mbit} Mbit/s": r.upload_seconds_per_mb(mbit) < 8 / mbit
+                            for r in coding for mbit in UP_MBIT}
+    return facts
+
+
+def targets(facts: dict) -> list:
+    out = []
+    for wire in WIRES[1:]:
+        ratio = facts["ratio_to_bf16"].get(f"llama-3-8b/{wire}/{TARGET_TOKENS}/{TARGET_MBIT}", float("nan"))
+        top1 = facts["top1"].get(wire, float("nan"))
+        value = ratio if top1 >= TARGET_TOP1 else float("nan")  # fast but far from bfloat16 is no pass
+        out.append(at_most(NAME, f"{wire.replace('-', '_')}_ttft_{TARGET_TOKENS}_8b_{TARGET_MBIT}mbit",
+                           f"{wire} wire: time to first token of a {TARGET_TOKENS}-token prompt at the 8B shape on a "
+                           f"{TARGET_MBIT} Mbit/s uplink <= {TARGET_RATIO} x the bfloat16 wire, with top-1 agreement "
+                           f">= {TARGET_TOP1:.0%}", value, TARGET_RATIO,
+                           f"{fmt(ratio, '.2f')}x, top-1 {fmt(100 * top1, '.1f')} %"))
+    return out
+
+
+def method(chunk: int) -> str:
+    return (f"The link is `scripts/delay_proxy.py`: {RTT_MS} ms round trip, {' or '.join(map(str, UP_MBIT))} Mbit/s "
+            f"up, {DOWN_MBIT} Mbit/s down (token-bucket paced, nothing dropped). Transport: a turn's prompt in steps "
+            f"of {chunk} tokens (each waiting for its answer, as the client sends them today) to a stand-in pod that "
+            "decodes every step as the server does and answers its last row in the wire asked for, running no "
+            "layers; the time runs from opening the turn to the last answer decoded, the floor is the upload's "
+            "bytes over the link rate. The 8B shape's rows are random rows of width 4,096 (bytes and encoding "
+            "time do not depend on the values), the default model's its own hidden states. End to end: the "
+            "default model's real split (bfloat16 pod, float32 laptop half, both on this CPU) through the same "
+            "link; the client's time to first token. Agreement: the 8-bit wires against the bfloat16 wire, in "
+            "process through the real encoders and bfloat16 served layers; top-1 teacher-forced over the "
+            "bfloat16 wire's greedy answers to chat prompts (the first divergence is where free greedy decoding "
+            "parts), perplexity on held text. Coding: deflate (gRPC's gzip) on the default model's hidden states "
+            "of the longest prompt in bfloat16; it pays at a rate when compressing, sending the coded bytes and "
+            "decompressing take less than sending the raw bytes.")
+
+
+def report(r: Result) -> list[str]:
+    lines = [r.method + "\n", "| shape | wire | prompt tokens | up Mbit/s | MB up | floor s | encode s | TTFT s | "
+             "x floor | x bfloat16 |", "|---|---|---|---|---|---|---|---|---|---|"]
+    ratios = r.facts.get("ratio_to_bf16", {})
+    for x in r.rows:
+        if isinstance(x, TransportRow):
+            key = f"{x.shape}/{x.wire}/{x.prompt_tokens}/{x.up_mbit:g}"
+            lines.append(f"| {x.shape} | {x.wire} | {x.prompt_tokens} | {x.up_mbit:g} | {x.upload_bytes / 1e6:.2f} | "
+                         f"{x.floor_seconds:.2f} | {x.encode_seconds:.3f} | {x.ttft_seconds:.2f} | "
+                         f"{fmt(x.over_floor, '.2f')} | {fmt(ratios.get(key, float('nan')), '.2f')} |")
+    lines += ["", "End to end, the default model (time to first token as the client measures it, both halves "
+              "computing on this CPU):", "", "| wire | prompt tokens | up Mbit/s | TTFT s |", "|---|---|---|---|"]
+    lines += [f"| {x.wire} | {x.prompt_tokens} | {x.up_mbit:g} | {x.ttft_seconds:.2f} |" for x in r.rows
+              if isinstance(x, EndToEndRow)]
+    lines += ["", "Agreement with the bfloat16 wire (default model):", "",
+              "| wire | positions | top-1 | first divergence | perplexity | x bfloat16 wire |",
+              "|---|---|---|---|---|---|"]
+    lines += [f"| {x.wire} | {x.positions} | {100 * x.top1_rate:.1f} % | "
+              f"{'none' if x.first_divergence is None else x.first_divergence} | {x.perplexity:.3f} | "
+              f"{x.perplexity_ratio:.4f} |" for x in r.rows if isinstance(x, AgreementRow)]
+    lines += ["", "Lossless coding of the bfloat16 wire (default model's hidden states):", "",
+              "| codec | MB | coded / raw | compress MB/s | decompress MB/s | s per raw MB at 20 / 100 Mbit/s "
+              "(raw: 0.40 / 0.08) |", "|---|---|---|---|---|---|"]
+    lines += [f"| {x.codec} | {x.raw_mb:.1f} | {x.ratio:.3f} | {x.compress_mb_s:.0f} | {x.decompress_mb_s:.0f} | "
+              f"{x.upload_seconds_per_mb(20):.3f} / {x.upload_seconds_per_mb(100):.3f} |"
+              for x in r.rows if isinstance(x, CodingRow)]
+    return lines + [""]
