@@ -392,7 +392,7 @@ def test_concurrent_open_is_aborted_and_the_first_turn_commits(committed):
     stream = c.session.stream("Write a long story about a cat.", SamplingParams(max_new_tokens=12))
     first = next(stream)  # the SDK's turn is now open on the server, mid-decode
     assert first
-    assert c.sid in c.server.engine._active  # (engine internals: the open turns by session id)
+    assert c.server.engine.sessions.is_in_turn(c.sid)
     kinds, err = turn_error(c.stub, [c.open()])
     assert_status(err, grpc.StatusCode.ABORTED, "already in a turn")
     with pytest.raises(grpc.RpcError) as info:

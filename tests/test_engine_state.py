@@ -393,7 +393,7 @@ def test_one_api_key_holds_at_most_its_share_of_slots_and_pages(bundle, tmp_path
         for t in (big, other):
             engine.close_turn(t)
         assert engine.pool.free_pages == engine.pool.num_pages and engine.pool.promised_pages == 0
-        assert all(share.held_pages == 0 for share in engine._shares.values())
+        assert set(engine.sessions.pages_held_by_keys().values()) == {0}
         assert Client(engine, 6).open(reserve_tokens=48, account="key-a") is not None  # all back
     finally:
         engine.stop()

@@ -44,8 +44,8 @@ def blob_path(store, session) -> StoredSession:
 
 
 def in_turn(server, session) -> bool:
-    """Whether the in-process server holds an open turn for this session (engine internals, by session id)."""
-    return session.id in server.engine._active
+    """Whether the in-process server holds an open turn for this session."""
+    return server.engine.sessions.is_in_turn(session.id)
 
 
 def open_request(session, fingerprint: str) -> pb.TurnRequest:

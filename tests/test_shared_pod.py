@@ -325,14 +325,14 @@ def test_failed_lock_release_leaves_nothing_stuck(impatient_pod, monkeypatch):
     assert info.value.code == grpc.StatusCode.UNAVAILABLE, info.value
     assert session.version == 1 and path.read_bytes() == blob
     assert srv.engine.active_turns == 0 and pool_is_whole(srv)  # slot and pages freed all the same
-    assert srv.engine._unreleased  # the store still holds the session's lock (a lease, in Redis)
+    assert srv.engine.sessions.unreleased_locks  # the store still holds the session's lock (a lease, in Redis)
     with pytest.raises(StatusError) as info:  # while the store is down, a clear UNAVAILABLE, nothing stuck
         session.chat("Anyone there?", SHORT)
     assert info.value.code == grpc.StatusCode.UNAVAILABLE, info.value
 
     flaky.is_down = False  # the store is back: no server restart, no waiting for a lease to run out
     assert session.chat("Still there?", SHORT).version == 2
-    assert not srv.engine._unreleased and path.read_bytes() != blob
+    assert not srv.engine.sessions.unreleased_locks and path.read_bytes() != blob
     session.delete()
     assert not path.exists() and pool_is_whole(srv)
 

@@ -1,9 +1,10 @@
-"""The server engine: turns, and one worker that batches the steps of all sessions.
+"""The server engine: one worker that batches the steps of all sessions.
 
-gRPC handlers open turns here (loading the session's stored cache straight into
-its pages), submit steps, truncate, commit and close; they never touch the
-model. One worker thread runs the loop — drain the steps that arrived, let the
-scheduler pick a batch, let the model runner run it, deliver the answers — so
+gRPC handlers open turns here (their lifecycle — claim, load, commit, close,
+delete, per-key limits — is `sessions.Sessions`, which the engine's turn
+methods hand over to), submit steps and truncate; they never touch the model.
+One worker thread runs the loop — drain the steps that arrived, let the
+scheduler pick a batch, let the layer runner run it, deliver the answers — so
 the pending steps of *all* sessions share one ragged forward pass (continuous
 batching: prefill and decode mixed, no padding). Every change to an open turn's
 pages — its steps, window slides and truncations — happens on that worker,
@@ -16,19 +17,6 @@ A step is answered in the dtype it was sent in, and checked after that cast:
 an answer that is not finite on the wire (float16's range is far narrower
 than the layers' float32) fails the step and the turn, like activations that
 overflow inside the layers, and nothing is committed.
-
-With API keys, each turn carries a short hash of its key (`account`): one key
-may hold at most `max_sessions_per_key` turn slots and `pages_per_key` KV
-pages, so it cannot take the pool, or every slot, from the others. Without API
-keys, the account is the client's address, limited to `max_sessions_per_peer` turns.
-
-Opening a turn is two moves so that an asyncio front end never blocks: `claim_turn`
-(checks and a turn slot, instant) and `load_turn` (store lock, page quota,
-decryption: run it on a thread). Closing never fails half-way and never
-waits: whatever the store or a running step does, the slot and the session
-are released, and the pages are wiped (by the worker, if it is still running a
-step of the turn). A lock the store could not release is released again when
-the store answers; until then its lease runs out by itself.
 """
 
 from __future__ import annotations
@@ -37,7 +25,6 @@ import logging
 import queue
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import asdict, dataclass, field
@@ -46,26 +33,26 @@ from typing import Any
 import torch
 
 from infemeral.cloak.bundle import ServerBundle
-from infemeral.errors import Aborted, FailedPrecondition, InvalidArgument, ResourceExhausted, StatusError, Unavailable
-from infemeral.kvcache.paged import PagedSequence, PagePool, PageShare
+from infemeral.errors import Aborted, InvalidArgument, StatusError, Unavailable
+from infemeral.kvcache.paged import PagePool
 from infemeral.kvcache.persistence import SessionPersistence
-from infemeral.kvcache.stored import SessionKeys
 from infemeral.kvcache.window import WindowPolicy
 from infemeral.layers.stack import LayerStack
 from infemeral.server.config import EngineConfig
 from infemeral.server.metrics import NullMetrics
 from infemeral.server.layer_runner import LayerRunner
 from infemeral.server.scheduler import Scheduler, StepRequest
+from infemeral.server.sessions import (BUSY_GRACE_SECONDS, SHUTTING_DOWN, SessionInTurn, Sessions, short_id,
+                                       wipe_pages)
 from infemeral.server.turn import Turn
-from infemeral.storage.base import SessionLock, Store
+from infemeral.storage.base import Store
 
 log = logging.getLogger(__name__)
 
-SESSION_ID_BYTES = 16
-SESSION_KEY_BYTES = 32
-BUSY_GRACE_SECONDS = 2.0
+# server/turn_call.py imports the session names it needs with the engine, from here.
+__all__ = ["BUSY_GRACE_SECONDS", "Engine", "SessionInTurn", "StepOutput", "short_id"]
+
 WAIT_POLL_SECONDS = 0.02  # how often steps waiting for pages are retried
-SHUTTING_DOWN = "server is shutting down; retry on another replica or later"
 OVERFLOWED = ("the step's activations overflowed to inf/NaN in the server's {dtype} (the hidden states sent are "
               "far larger than the model produces); the turn was aborted and nothing was committed — reopen the "
               "session and retry")
@@ -74,17 +61,8 @@ NOT_SENDABLE = ("the step's answer overflows to inf/NaN in {wire}, the dtype the
                 "was committed — reopen the session and retry (bfloat16 and float32 have a wider range)")
 
 
-class SessionInTurn(Aborted):
-    """This server already runs a turn of the session (a reconnecting client may wait briefly for it)."""
-
-
 def dtype_label(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def short_id(session_id: bytes) -> str:
-    """Enough of a session id to correlate logs, not enough to address the session."""
-    return session_id.hex()[:8]
 
 
 @dataclass(eq=False)
@@ -121,21 +99,15 @@ class Engine:
         self.store = store
         self.config = config or EngineConfig()
         self.metrics = metrics or NullMetrics()
-        self.persistence = SessionPersistence(store, bundle.fingerprint)
         self.runner = runner or LayerRunner(bundle, self.config)
         self.scheduler = Scheduler(self.config.window, self.runner.inv_freq, self.config.batch_token_budget,
                                    self.config.admission_wait, max_batch_hold=self.config.max_batch_hold,
                                    default_reserve_tokens=self.config.default_reserve_tokens)
+        self.sessions = Sessions(bundle.fingerprint, store, self.pool, self.config, metrics=self.metrics,
+                                 quota_tokens=self.scheduler.quota_tokens, on_closed=self._forget_pacing)
         self._stats = EngineStats()
-        self._active: dict[bytes, Turn] = {}
-        self._active_lock = threading.Condition()
-        self._turns_by_account: Counter[str] = Counter()  # open turns per API key (by its hash)
-        self._shares: dict[str, PageShare] = {}            # pages held per API key, once it has opened a turn
-        self._unreleased: dict[bytes, SessionLock] = {}  # store locks whose release failed, to retry
-        self._unreleased_lock = threading.Lock()
         self._queue: queue.Queue[StepRequest | WorkerJob | None] = queue.Queue()
         self._submit_lock = threading.Lock()  # orders submissions against the stop sentinel
-        self._is_accepting = True             # new turns are welcome
         self._is_stopped = False              # no step will be run any more
         self._worker = threading.Thread(target=self._run, name="infemeral-engine", daemon=True)
         self._worker.start()
@@ -183,8 +155,12 @@ class Engine:
         return asdict(self._stats)
 
     @property
+    def persistence(self) -> SessionPersistence:
+        return self.sessions.persistence
+
+    @property
     def active_turns(self) -> int:
-        return len(self._active)
+        return self.sessions.active_turns
 
     # -- turns -------------------------------------------------------------------------------------
     def open_turn(self, session_id: bytes, session_key: bytes, expected_version: int, fingerprint: str,
@@ -198,81 +174,13 @@ class Engine:
 
     def claim_turn(self, session_id: bytes, session_key: bytes, fingerprint: str, turn_id: bytes = b"",
                    pending_turn_id: bytes = b"", wait: float = 0.0, account: str | None = None) -> Turn:
-        """Check an open and take one of the `max_sessions` turn slots for the session. Touches no store and
-        never blocks (unless `wait` > 0: how long to wait for this server's running turn of the session).
-
-        `account` names the API key the turn came with (a hash of it), or without keys the client's address;
-        it counts against that key's or address's limits when the server has any."""
-        if len(session_id) != SESSION_ID_BYTES:
-            raise InvalidArgument(f"session_id must be {SESSION_ID_BYTES} bytes, got {len(session_id)}")
-        if len(session_key) != SESSION_KEY_BYTES:
-            raise InvalidArgument(f"session_key must be {SESSION_KEY_BYTES} bytes, got {len(session_key)}")
-        if len(turn_id) not in (0, 16) or len(pending_turn_id) not in (0, 16):
-            raise InvalidArgument("turn_id and pending_turn_id must be 16 bytes (or empty)")
-        if fingerprint != self.bundle.fingerprint:
-            raise FailedPrecondition(
-                "client bundle was prepared against a different server bundle "
-                f"(client expects {fingerprint or 'none'}, server has {self.bundle.fingerprint}); "
-                "upload the matching server bundle or use the matching client bundle")
-        if not self._is_accepting:
-            raise Unavailable(SHUTTING_DOWN)
-        if not self.is_limited_per_key:
-            account = None
-        with self._active_lock:
-            if session_id in self._active and wait > 0:
-                self._active_lock.wait_for(lambda: session_id not in self._active, timeout=wait)
-            if session_id in self._active:
-                raise SessionInTurn("this session is already in a turn on this server; wait for it to finish "
-                                    "(one turn at a time per session)")
-            per_account = self.config.max_sessions_per_key or self.config.max_sessions_per_peer
-            if account is not None and per_account and self._turns_by_account[account] >= per_account:
-                who = "this API key" if self.config.max_sessions_per_key else "your address"
-                raise ResourceExhausted(f"{who} has its limit of {per_account} turns open on this server (of "
-                                        f"{self.config.max_sessions}); retry in a second", retry_after=1.0)
-            if len(self._active) >= self.config.max_sessions:
-                raise ResourceExhausted(f"server is serving its limit of {self.config.max_sessions} turns; "
-                                        "retry in a second", retry_after=1.0)
-            turn = Turn(session_id, SessionKeys.derive(session_id, session_key),
-                        PagedSequence(self.pool, self._share(account)), turn_id=turn_id, account=account)
-            self._active[session_id] = turn
-            if account is not None:
-                self._turns_by_account[account] += 1
-        return turn
-
-    @property
-    def is_limited_per_key(self) -> bool:
-        return bool(self.config.max_sessions_per_key or self.config.pages_per_key or self.config.max_sessions_per_peer)
-
-    def _share(self, account: str | None) -> PageShare | None:
-        """The page share of an API key (under `_active_lock`); None without a limit on pages per key."""
-        if account is None or not self.config.pages_per_key:
-            return None
-        if account not in self._shares:  # one per configured key at most: the interceptor admits no other
-            self._shares[account] = PageShare(self.config.pages_per_key)
-        return self._shares[account]
+        """`Sessions.claim_turn`: checks and a turn slot, instant."""
+        return self.sessions.claim_turn(session_id, session_key, fingerprint, turn_id, pending_turn_id, wait, account)
 
     def load_turn(self, turn: Turn, expected_version: int, pending_turn_id: bytes = b"",
                   reserve_tokens: int = 0) -> None:
-        """Take the session in the store, grant the turn its page quota and load its committed cache (store
-        I/O, a wait of up to `admission_wait` for pages, decryption). On failure the turn is closed.
-
-        `reserve_tokens` is what the client may add in this turn (0: undeclared, `default_reserve_tokens`).
-        A turn that has to wait for pages waits in line, and only while fewer than half the turn slots
-        already wait (see `PagePool.grant`)."""
-        try:
-            self._retry_release(turn.session_id)
-            turn.lock = self.persistence.lock(turn.session_id)
-            manifest = self.persistence.read_committed(turn.session_id, turn.keys, expected_version,
-                                                       pending_turn_id)
-            length = manifest.length if manifest else 0
-            turn.cache.grant(self.scheduler.quota_tokens(length, reserve_tokens), wait=self.config.admission_wait)
-            self.persistence.fill(turn.session_id, turn.keys, manifest, turn.cache)
-            turn.manifest, turn.version = manifest, manifest.version if manifest else 0
-        except BaseException:
-            self.close_turn(turn)
-            raise
-        log.info("turn opened session=%s version=%d length=%d quota=%d", short_id(turn.session_id), turn.version,
-                 turn.cache.length, turn.cache.quota_tokens)
+        """`Sessions.load_turn`: store lock, page quota, decryption (run it on a thread)."""
+        self.sessions.load_turn(turn, expected_version, pending_turn_id, reserve_tokens)
 
     def submit_step(self, turn: Turn, hidden: torch.Tensor, cache_length: int, num_outputs: int = 1,
                     num_evicted: int = 0) -> Future:
@@ -297,7 +205,7 @@ class Engine:
         with self._submit_lock:
             if self._is_stopped:
                 if turn.end_step():
-                    self._wipe(turn)
+                    wipe_pages(turn)
                 raise Unavailable(SHUTTING_DOWN)
             self._queue.put(item)
 
@@ -327,102 +235,31 @@ class Engine:
         return self.submit_truncate(turn, num_tokens, cache_length).result()
 
     def commit(self, turn: Turn) -> int:
-        """Store what changed and move the session to its next version."""
-        turn.require_open()
-        written = self.store.bytes_written
-        try:
-            manifest = self.persistence.commit(turn.session_id, turn.keys, turn.cache, turn.manifest, turn.lock,
-                                               turn.turn_id)
-        except BaseException:
-            turn.fail("its commit failed")
-            raise
-        turn.cache.commit()
-        turn.mark_committed(manifest)
-        self.metrics.store_written(self.store.bytes_written - written)
-        log.info("turn committed session=%s version=%d length=%d chunks=%d", short_id(turn.session_id),
-                 manifest.version, manifest.length, len(manifest.chunks))
-        return manifest.version
+        """`Sessions.commit`: store what changed; the session's next version."""
+        return self.sessions.commit(turn)
 
     def close_turn(self, turn: Turn) -> None:
-        """End a turn, committed or not: release the session and its slot, wipe its pages. Never raises and
-        never waits; each part is tried whatever happened to the others."""
-        was_open, can_wipe = turn.close()
-        if not was_open:
-            return
-        try:
-            if can_wipe:  # otherwise the worker wipes them once it is done with this turn's step
-                turn.cache.wipe()
-        except Exception as e:  # noqa: BLE001 - closing must go on
-            log.error("wiping a closed turn's pages failed: %s", type(e).__name__)
-        try:
-            if turn.lock is not None:
-                turn.lock.release()
-        except Exception as e:  # noqa: BLE001 - the store is down: its lease on the session runs out by itself
-            log.warning("could not release the store's lock on session=%s (%s); it is released again when the "
-                        "store answers, or expires", short_id(turn.session_id), type(e).__name__)
-            with self._unreleased_lock:
-                self._unreleased[turn.session_id] = turn.lock
-        with self._active_lock:
-            if self._active.get(turn.session_id) is turn:
-                del self._active[turn.session_id]
-                if turn.account is not None:
-                    self._turns_by_account[turn.account] -= 1
-                    if not self._turns_by_account[turn.account]:
-                        del self._turns_by_account[turn.account]
-                self._active_lock.notify_all()
-        if self.scheduler.is_pacing:  # after the turn's last step, which the queue holds, if any
+        """`Sessions.close_turn`: never raises, never waits."""
+        self.sessions.close_turn(turn)
+
+    def delete_session(self, session_id: bytes, session_key: bytes) -> None:
+        self.sessions.delete_session(session_id, session_key)
+
+    def release_leftover_locks(self) -> int:
+        """`Sessions.release_leftover_locks`: how many failed lock releases are still left."""
+        return self.sessions.release_leftover_locks()
+
+    def _forget_pacing(self, turn: Turn) -> None:
+        """A turn closed: the scheduler forgets its pace, after the turn's last step, which the queue holds if any."""
+        if self.scheduler.is_pacing:
             with self._submit_lock:
                 if not self._is_stopped:
                     self._queue.put(WorkerJob(lambda: self.scheduler.forget(turn)))
 
-    def _retry_release(self, session_id: bytes) -> None:
-        """Release a lock on the session left over from a turn that closed while the store was down (store
-        I/O; raises while the store is still down). The lock is fenced: it is removed only if still ours."""
-        with self._unreleased_lock:
-            lock = self._unreleased.pop(session_id, None)
-        if lock is None:
-            return
-        try:
-            lock.release()
-        except BaseException:
-            with self._unreleased_lock:
-                self._unreleased.setdefault(session_id, lock)
-            raise
-
-    def release_leftover_locks(self) -> int:
-        """Retry every lock release that failed (maintenance, now and then); how many are still left."""
-        with self._unreleased_lock:
-            session_ids = list(self._unreleased)
-        for session_id in session_ids:
-            try:
-                self._retry_release(session_id)
-            except Exception as e:  # noqa: BLE001 - still down: try again later
-                log.debug("leftover lock release failed again: %s", type(e).__name__)
-        return len(self._unreleased)
-
-    def delete_session(self, session_id: bytes, session_key: bytes) -> None:
-        if len(session_id) != SESSION_ID_BYTES or len(session_key) != SESSION_KEY_BYTES:
-            raise InvalidArgument("session_id must be 16 bytes and session_key 32 bytes")
-        with self._active_lock:
-            if session_id in self._active:
-                raise Aborted("this session is in a turn; delete it when the turn has ended")
-        self._retry_release(session_id)
-        lock = self.persistence.lock(session_id)
-        try:
-            self.persistence.delete(session_id, SessionKeys.derive(session_id, session_key))
-        finally:
-            try:
-                lock.release()
-            except Exception as e:  # noqa: BLE001 - as in close_turn
-                log.warning("could not release the store's lock after a delete (%s)", type(e).__name__)
-                with self._unreleased_lock:
-                    self._unreleased[session_id] = lock
-        log.info("session deleted session=%s", short_id(session_id))
-
     # -- lifecycle ---------------------------------------------------------------------------------
     def begin_shutdown(self) -> None:
         """Refuse new turns (UNAVAILABLE); open turns carry on."""
-        self._is_accepting = False
+        self.sessions.begin_shutdown()
 
     def stop(self) -> None:
         """Stop the worker; every step not yet answered, and every later one, gets UNAVAILABLE."""
@@ -483,7 +320,7 @@ class Engine:
                 return False
             if not item.future.set_running_or_notify_cancel():  # cancelled before it started: nothing
                 if item.turn is not None and item.turn.end_step():  # happened to the turn, which has closed
-                    self._wipe(item.turn)                           # meanwhile
+                    wipe_pages(item.turn)                           # meanwhile
             elif isinstance(item, WorkerJob):
                 self._run_job(item)  # between batches; a hold goes on
                 continue
@@ -504,7 +341,7 @@ class Engine:
                 "retry the turn"))
             return
         if job.turn is not None and job.turn.end_step():
-            self._wipe(job.turn)
+            wipe_pages(job.turn)
         try:
             job.future.set_result(result)
         except InvalidStateError:  # cancelled meanwhile
@@ -539,7 +376,7 @@ class Engine:
                     continue
             answer = StepOutput(hidden, step.turn.cache.length, step.num_evicted)
             if step.turn.end_step():
-                self._wipe(step.turn)
+                wipe_pages(step.turn)
             try:
                 step.future.set_result(answer)
             except InvalidStateError:  # cancelled meanwhile
@@ -549,16 +386,8 @@ class Engine:
         """A step (or job) that did not run or whose result is unusable: its turn no longer agrees with the
         client, so the turn fails too."""
         if item.turn is not None and item.turn.end_step(error.message):
-            self._wipe(item.turn)
+            wipe_pages(item.turn)
         try:
             item.future.set_exception(error)
         except InvalidStateError:  # cancelled meanwhile
             pass
-
-    @staticmethod
-    def _wipe(turn: Turn) -> None:
-        """Wipe the pages of a turn that closed while its step was running here."""
-        try:
-            turn.cache.wipe()
-        except Exception as e:  # noqa: BLE001 - the worker serves on
-            log.error("wiping a closed turn's pages failed: %s", type(e).__name__)

@@ -27,7 +27,8 @@ from infemeral.cloak.bundle import dtype_name
 from infemeral.errors import ResourceExhausted, StatusError
 from infemeral.protocol import PROTOCOL_VERSION, pb, pb_grpc
 from infemeral.server.config import ServiceLimits
-from infemeral.server.engine import Engine, short_id
+from infemeral.server.engine import Engine
+from infemeral.server.sessions import short_id
 from infemeral.server.turn_call import STORE_ERRORS, TurnCall, TurnCallResources, abort, api_key_account, peer_account
 
 log = logging.getLogger(__name__)

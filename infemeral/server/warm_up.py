@@ -16,7 +16,8 @@ import torch
 
 from infemeral.errors import InfemeralError, StatusError
 from infemeral.layers.paged_attention import MAX_PADDED_QUERY
-from infemeral.server.engine import SESSION_ID_BYTES, SESSION_KEY_BYTES, Engine
+from infemeral.server.engine import Engine
+from infemeral.server.sessions import SESSION_ID_BYTES, SESSION_KEY_BYTES
 
 log = logging.getLogger(__name__)
 
