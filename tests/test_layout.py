@@ -16,7 +16,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "infemeral"
 # set of top-level folders or modules: no package straddles two layers.
 LAYERS = [
     ("foundation", ("infemeral.errors", "infemeral.files", "infemeral.logs", "infemeral.paths",
-                    "infemeral.protocol", "infemeral.transport", "infemeral.settings_flags")),
+                    "infemeral.protocol", "infemeral.transport", "infemeral.settings_flags", "infemeral.devices",
+                    "infemeral.threads")),
     ("storage, cache, model, weights, cloak", ("infemeral.storage", "infemeral.kvcache", "infemeral.layers",
                                                "infemeral.quant", "infemeral.cloak")),
     ("the laptop's half of the model", ("infemeral.client_half",)),

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from infemeral.cloak.bundle import DTYPES, dtype_name
+from infemeral.devices import is_available, resolve_device
 from infemeral.errors import FailedPrecondition, InfemeralError
 from infemeral.quant.int8 import QUANT_MODES
 
@@ -31,23 +32,14 @@ class ClientCompute:
         return f"{dtype_name(self.dtype)} on {self.device}, {weights}"
 
 
-def auto_device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
+CLIENT_AUTO = ("cuda", "mps", "cpu")  # the laptop's "auto": CUDA, else Apple's MPS, else the CPU
 
 
 def _device(name: str) -> torch.device:
-    if name == "auto":
-        return auto_device()
     if name.split(":")[0] not in DEVICES:
         raise ValueError(f"client device must be one of {', '.join(DEVICES)}, not {name!r}")
-    device = torch.device(name)
-    available = {"cpu": True, "cuda": torch.cuda.is_available(),
-                 "mps": getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()}
-    if not available[device.type]:
+    device = resolve_device(name, CLIENT_AUTO)
+    if not is_available(device.type):
         raise InfemeralError(f"client device {name!r} is not available to torch on this machine; "
                              "use --client-device cpu or auto")
     return device

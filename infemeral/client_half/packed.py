@@ -20,6 +20,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from infemeral.devices import native_on_cpu
+
 PACKED_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -27,13 +29,9 @@ PACKED_DTYPES = (torch.bfloat16, torch.float16)
 def packs(device_type: str, dtype: torch.dtype) -> bool:
     """Whether this torch packs weights for `dtype` on `device_type` and its packed linear gives F.linear's
     numbers (probed once): CPUs whose oneDNN has native bf16/fp16 kernels."""
-    if device_type != "cpu" or dtype not in PACKED_DTYPES or not torch.backends.mkldnn.is_available():
+    if device_type != "cpu" or dtype not in PACKED_DTYPES or not native_on_cpu(dtype):
         return False
     try:
-        native = (torch.ops.mkldnn._is_mkldnn_bf16_supported() if dtype == torch.bfloat16
-                  else torch.ops.mkldnn._is_mkldnn_fp16_supported())
-        if not native:
-            return False
         g = torch.Generator().manual_seed(0)
         w = torch.randn(48, 32, generator=g).to(dtype)
         x = torch.randn(3, 32, generator=g).to(dtype)

@@ -17,7 +17,8 @@ from tqdm.auto import tqdm
 from transformers import PretrainedConfig
 
 from infemeral.layers.stack import LayerStack
-from infemeral.quant.gptq import ONE_THREAD_ELEMENTS, one_thread
+from infemeral.quant.gptq import ONE_THREAD_ELEMENTS
+from infemeral.threads import one_thread
 from infemeral.quant.calibration_text import CONVERSATIONS
 
 # Linears that read the same input share one Hessian: the first of each group is hooked.

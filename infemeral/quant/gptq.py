@@ -14,12 +14,12 @@ calibration text (calibration.py); nothing of it is stored.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 import torch
 
 from infemeral.quant import int4
+from infemeral.threads import one_thread
 
 DAMP = 0.01   # added to H's diagonal, as a share of its mean: keeps the Cholesky factorisation stable
 BLOCK = 128   # columns updated together (a multiple of the group size is used, so groups never straddle)
@@ -97,19 +97,6 @@ class Int8RowGrid:
 # one thread and 12 s with only the column loop on one (the factorisations and block updates on two). Calibration
 # runs layers this small on one thread too (calibration.py).
 ONE_THREAD_ELEMENTS = 1 << 24
-
-
-@contextmanager
-def one_thread(active: bool = True) -> Iterator[None]:
-    """The column loop is thousands of small operations: on a busy CPU, splitting each over threads costs more
-    than it saves (measured on 2 shared cores: a 576 x 1536 weight in 1.7 s on one thread, 28 s on two)."""
-    threads = torch.get_num_threads()
-    if active:
-        torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 @torch.no_grad()

@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         configure_logging(settings.log_level, settings.log_format)
         launch = torchrun_rank()
         if launch is not None and launch.rank > 0:  # torchrun started every rank: this one works for rank 0
-            from infemeral.server.devices import resolve_device
+            from infemeral.devices import resolve_device
             from infemeral.server.parallel.worker import serve
 
             return serve(launch, resolve_device(settings.device).type, settings.tensor_parallel_timeout)

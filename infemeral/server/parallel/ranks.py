@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from infemeral.server.devices import resolve_device
+from infemeral.devices import resolve_device
 from infemeral.server.parallel.group import torchrun_rank
 
 
