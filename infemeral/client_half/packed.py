@@ -91,6 +91,10 @@ class PackedHead:
     def tensors(self) -> list[torch.Tensor]:
         return [self.weight]
 
+    def rows(self, ids: torch.Tensor) -> "PackedHead":
+        """A head of only `ids`' rows (a draft head's reduced vocabulary), packed as this one."""
+        return PackedHead(self.weight.to_dense()[ids].contiguous())
+
 
 class Projection:
     """Right-multiplication by a fixed square matrix (the secret basis or its transpose): `x @ matrix`.

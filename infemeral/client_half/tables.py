@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from infemeral.client_half import packed
 from infemeral.layers import few_rows
 from infemeral.quant.int8 import aligned, dequantize_rows, int8_matmul
 
@@ -36,6 +37,14 @@ class DenseTokenTable:
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.weight]
+
+    def rows(self, ids: torch.Tensor):
+        """A table of only `ids`' rows (a draft head's reduced vocabulary), in this one's dtype and device: packed
+        where they pack, since the copy serves no lookups."""
+        weight = self.weight[ids].contiguous()
+        if packed.packs(weight.device.type, weight.dtype):
+            return packed.PackedHead(weight)
+        return DenseTokenTable(weight)
 
     def dense(self) -> torch.Tensor:
         """The whole table in float32 (for analysis, e.g. the privacy audit's norm matching)."""
@@ -67,6 +76,10 @@ class Int8TokenTable:
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.codes, self.scales, self.kernel_scales]
+
+    def rows(self, ids: torch.Tensor) -> "Int8TokenTable":
+        """A table of only `ids`' rows (a draft head's reduced vocabulary), int8 as this one."""
+        return Int8TokenTable(self.codes[ids], self.scales[ids], self.dtype, self.codes.device)
 
     def dense(self) -> torch.Tensor:
         """The whole table dequantised to float32 (for analysis, e.g. the privacy audit's norm matching)."""
