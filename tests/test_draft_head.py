@@ -20,7 +20,9 @@ from infemeral.cloak.prepare import prepare
 from infemeral.cloak.sources import ModelSource
 from infemeral.client_half.half import ClientModel
 from infemeral.errors import FailedPrecondition, InfemeralError
-from infemeral.speculation.draft_head import DraftHead, HeadModel, layer_config, probe_of, save_head
+from infemeral.speculation.head.checkpoint import probe_of, save_head
+from infemeral.speculation.head.drafter import DraftHead
+from infemeral.speculation.head.model import HeadModel, layer_config
 
 VOCAB = 96
 D = 64
@@ -372,8 +374,8 @@ def chat_tokenizer():
 
 
 def test_train_drafter_writes_a_head_this_model_loads_and_reuses_its_data(chat_tokenizer, tmp_path, monkeypatch):
-    from infemeral.speculation import train_head
-    from infemeral.speculation.train_settings import TrainSettings
+    from infemeral.speculation.head import data, train
+    from infemeral.speculation.head.settings import TrainSettings
 
     torch.manual_seed(0)
     config = tiny_config(vocab_size=len(chat_tokenizer), eos_token_id=chat_tokenizer.eos_token_id,
@@ -382,8 +384,8 @@ def test_train_drafter_writes_a_head_this_model_loads_and_reuses_its_data(chat_t
     settings = TrainSettings(prompts=6, held_out=2, max_new_tokens=10, max_steps=4, batch_tokens=256,
                              draft_vocab=300, generate_batch=4, eval_positions=4, eval_drafts=3, threads=1)
     weights = {name: t.clone() for name, t in model.state_dict().items()}
-    report = train_head.train_drafter("tiny", tmp_path / "head", settings, cache_dir=tmp_path / "cache",
-                                      progress=False, loaded=(model, chat_tokenizer))
+    report = train.train_drafter("tiny", tmp_path / "head", settings, cache_dir=tmp_path / "cache",
+                                 progress=False, loaded=(model, chat_tokenizer))
     for name, t in model.state_dict().items():  # answered by it or a copy: the model itself untouched
         assert t.dtype == torch.float32 and torch.equal(t, weights[name]), name
     assert report.steps == 4 and report.prompts == 6 and report.answer_tokens > 0
@@ -391,6 +393,8 @@ def test_train_drafter_writes_a_head_this_model_loads_and_reuses_its_data(chat_t
     assert 1.0 <= report.tokens_per_step <= 4.0
     raw = json.loads((tmp_path / "head" / "config.json").read_text())
     assert raw["num_hidden_layers"] == 1 and raw["infemeral"]["training"]["steps"] == 4
+    cached = list((tmp_path / "cache").iterdir())  # the answers, written whole and owner-only, no temporary left
+    assert len(cached) == 1 and cached[0].suffix == ".safetensors" and stat.S_IMODE(cached[0].stat().st_mode) == 0o600
     out = prepare(output=tmp_path / "bundles", source=ModelSource(model, chat_tokenizer), progress=False)
     head = DraftHead.load(tmp_path / "head", ClientModel(ClientBundle.open(out.client_dir)))
     assert head.vocab.size == report.draft_vocab and chat_tokenizer.eos_token_id in head.vocab.target_ids.tolist()
@@ -402,10 +406,10 @@ def test_train_drafter_writes_a_head_this_model_loads_and_reuses_its_data(chat_t
     def no_answers(*args, **kwargs):
         raise AssertionError("the cached answers should have been used")
 
-    monkeypatch.setattr(train_head, "answer", no_answers)
+    monkeypatch.setattr(data, "answer", no_answers)
     unrolled = dataclasses.replace(settings, unroll=3)  # other training settings: the same answers
-    again = train_head.train_drafter("tiny", tmp_path / "head2", unrolled, cache_dir=tmp_path / "cache",
-                                     progress=False, loaded=(model, chat_tokenizer))
+    again = train.train_drafter("tiny", tmp_path / "head2", unrolled, cache_dir=tmp_path / "cache",
+                                progress=False, loaded=(model, chat_tokenizer))
     assert again.answer_tokens == report.answer_tokens and again.steps == 4
     assert again.final_loss > report.final_loss  # three drafts' losses, where one draft's was
 
@@ -417,7 +421,8 @@ def test_the_held_out_measurement_steps_through_answers_as_a_session_does():
     after its first step (a kept draft and the model's token: two tokens, the parity kept)."""
     from types import SimpleNamespace
 
-    from infemeral.speculation.train_head import TrainingData, measure
+    from infemeral.speculation.head.data import TrainingData
+    from infemeral.speculation.head.measure import measure
 
     observed = []
 
@@ -444,7 +449,7 @@ def test_the_training_prompts_are_not_the_benchmarks():
     import ast
     from pathlib import Path
 
-    from infemeral.speculation.head_prompts import chat_prompts
+    from infemeral.speculation.head.prompts import chat_prompts
 
     source = (Path(__file__).resolve().parent.parent / "scripts" / "bench" / "workloads.py").read_text()
     benchmark = {node.value for node in ast.walk(ast.parse(source))
@@ -452,27 +457,3 @@ def test_the_training_prompts_are_not_the_benchmarks():
     prompts = chat_prompts()
     assert len(prompts) >= 500 and len(set(prompts)) == len(prompts)
     assert not set(prompts) & benchmark
-
-
-@pytest.mark.parametrize("faster", [1, 2])
-def test_drafting_runs_on_whichever_thread_count_drafts_faster(monkeypatch, faster):
-    """One thread or all, chosen from the proposals' own timings (a loaded CPU makes small ops wait for every
-    thread), and the caller's thread count is left as it was."""
-    import time as clock
-
-    from infemeral.speculation.draft_head import DraftThreads
-
-    monkeypatch.setattr(torch, "get_num_threads", lambda: state["threads"])
-    monkeypatch.setattr(torch, "set_num_threads", lambda n: state.update(threads=n))
-    state = {"threads": 2}
-    threads = DraftThreads(torch.device("cpu"))
-    seen = []
-
-    def draft():
-        seen.append(state["threads"])
-        clock.sleep(0.001 if state["threads"] == faster else 0.01)
-        return [1, 2]
-
-    for _ in range(10):
-        assert threads.run(draft) == [1, 2] and state["threads"] == 2
-    assert seen[:6] == [1, 1, 1, 2, 2, 2] and set(seen[6:]) == {faster} and threads.chosen == faster

@@ -272,7 +272,8 @@ def test_concurrent_requests_drafting_with_a_draft_head(reference, server, bundl
     at once each draft through their own session's head state and answer as speculation off does."""
     import torch
 
-    from infemeral.speculation.draft_head import HeadModel, layer_config, probe_of, save_head
+    from infemeral.speculation.head.checkpoint import probe_of, save_head
+    from infemeral.speculation.head.model import HeadModel, layer_config
 
     model, _ = reference
     torch.manual_seed(0)

@@ -296,7 +296,8 @@ def head_samples(tiny, runs: int = RUNS) -> tuple[list[tuple[int, ...]], int]:
     """As `speculative_samples`, drafting two tokens every step from a draft head (`HeadDrafter`) that reads the
     features of the verified positions, as a session does. Its draft vocabulary is the model's likely tokens
     after the prompt, so that its drafts are accepted often enough to matter."""
-    from infemeral.speculation.draft_head import DraftHead, HeadModel, layer_config
+    from infemeral.speculation.head.drafter import DraftHead
+    from infemeral.speculation.head.model import HeadModel, layer_config
 
     model, client, server = tiny
     likely = top3(model, [])

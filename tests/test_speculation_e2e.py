@@ -253,7 +253,8 @@ def test_the_answer_index_drafts_from_an_earlier_session(reference, server, bund
 def random_head(reference, tmp_path_factory):
     """A draft head for the default model with random weights, in the layout train-drafter writes: it drafts
     (badly), and the output must not depend on how well."""
-    from infemeral.speculation.draft_head import HeadModel, layer_config, probe_of, save_head
+    from infemeral.speculation.head.checkpoint import probe_of, save_head
+    from infemeral.speculation.head.model import HeadModel, layer_config
 
     model, _ = reference
     torch.manual_seed(0)
@@ -286,7 +287,7 @@ def test_sessions_drafting_from_one_head_at_once_each_draft_alone(reference, ser
     """Two sessions of one client answer at once in threads with one draft head: the tokens are speculation
     off's, each session drafts through a drafter of its own, and replaying what one drafter was told (the
     features it observed, the contexts it drafted for) on a fresh drafter, alone, gives the same drafts."""
-    from infemeral.speculation.draft_head import DraftHead, HeadDrafter
+    from infemeral.speculation.head.drafter import DraftHead, HeadDrafter
 
     calls: list = []
 

@@ -101,7 +101,7 @@ def _load_head(path: Path, client, *, is_found: bool):
     """The draft head at `path` for this client's model. One that was only found (not asked for) and does not fit
     is left out with a warning: --speculate auto then drafts without it."""
     from infemeral.errors import FailedPrecondition
-    from infemeral.speculation.draft_head import DraftHead
+    from infemeral.speculation.head.drafter import DraftHead
 
     try:
         return DraftHead.load(path, client.model)
@@ -115,7 +115,7 @@ def _load_head(path: Path, client, *, is_found: bool):
 def train_drafter(args) -> int:
     """Train a draft head; by default it goes beside the client bundle (INFEMERAL_CLIENT_BUNDLE), where
     `--speculate auto` finds it."""
-    from infemeral.speculation.train_head import run
+    from infemeral.speculation.head.train import run
 
     if args.output is None:
         args.output = ClientSettings().client_bundle.parent / DRAFT_HEAD_DIR

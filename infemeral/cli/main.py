@@ -18,7 +18,7 @@ from infemeral.settings_flags import add_settings_flags
 from infemeral.client.settings import ClientSettings
 from infemeral.endpoint.settings import ServeSettings
 from infemeral.errors import InfemeralError
-from infemeral.speculation.train_settings import add_arguments as add_head_training_arguments
+from infemeral.speculation.head.settings import add_arguments as add_head_training_arguments
 
 CONNECTION = ("server", "client_bundle", "timeout", "tls_ca", "tls_client_cert", "tls_client_key", "tls_server_name",
               "api_key", "api_key_file")

@@ -98,7 +98,7 @@ class Client:
             draft_model = DraftModel.load(draft_model, self.tokenizer)
         self.draft_model: DraftSource | None = draft_model
         if draft_head is not None and not hasattr(draft_head, "fork"):
-            from infemeral.speculation.draft_head import DraftHead
+            from infemeral.speculation.head.drafter import DraftHead
 
             draft_head = DraftHead.load(draft_head, self.model)
         self.draft_head = draft_head  # a DraftHead: each session drafts through its own fork

@@ -9,7 +9,7 @@ tokens probably follow `context_ids`? — and may answer with nothing:
 - `PromptLookup` (`prompt_lookup.py`) copies from the conversation itself;
 - `AnswerIndex` (`answer_index.py`) from the client's own earlier answers;
 - `DraftModel` (`draft_model.py`) asks a small local model;
-- `HeadDrafter` (`draft_head.py`) asks a draft head over the model's own features.
+- `HeadDrafter` (`head/drafter.py`) asks a draft head over the model's own features.
 
 Sources are shared by every session of a client, and sessions run in parallel
 threads (the OpenAI endpoint answers requests at once). A source that

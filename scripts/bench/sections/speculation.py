@@ -68,7 +68,7 @@ def run(wb) -> Result:
     from infemeral.speculation.answer_index import AnswerIndex
     from infemeral.speculation.draft_model import DraftModel
 
-    from infemeral.speculation.draft_head import DraftHead
+    from infemeral.speculation.head.drafter import DraftHead
 
     n = wb.params.spec_tokens
     head_dir = trained_head(wb)
@@ -170,8 +170,8 @@ def trained_head(wb):
     (a head is trained per model)."""
     from dataclasses import asdict
 
-    from infemeral.speculation.train_head import train_drafter
-    from infemeral.speculation.train_settings import TrainSettings
+    from infemeral.speculation.head.settings import TrainSettings
+    from infemeral.speculation.head.train import train_drafter
 
     if wb.model_kind != "default":
         return None
@@ -215,7 +215,8 @@ def draft_token_costs_8b(reps: int, shape: dict | None = None) -> list[dict]:
     from infemeral.client_half.half import ClientModel
     from infemeral.cloak.basis import random_orthogonal
     from infemeral.eval.client_precision import RANDOM_8B, random_client_tensors
-    from infemeral.speculation.draft_head import DraftHead, HeadModel, layer_config
+    from infemeral.speculation.head.drafter import DraftHead
+    from infemeral.speculation.head.model import HeadModel, layer_config
 
     config = LlamaConfig(**(shape or RANDOM_8B), rope_theta=500000.0, rms_norm_eps=1e-5)
     tensors = random_client_tensors(config)

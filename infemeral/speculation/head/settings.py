@@ -1,4 +1,4 @@
-"""What a draft-head training run does (`train_head.py`), and its command-line flags: no torch here, so the
+"""What a draft-head training run does (`train.py`), and its command-line flags: no torch here, so the
 command line answers `--help` at once."""
 
 from __future__ import annotations
