@@ -108,3 +108,12 @@ def test_the_wire_is_read_from_the_environment(monkeypatch):
     monkeypatch.setenv("INFEMERAL_WIRE", "fp8")
     with pytest.raises(ValueError, match="wire"):
         ClientSettings()
+
+
+@pytest.mark.parametrize("command", ["chat", "generate", "serve"])
+def test_the_commands_that_run_turns_take_the_wire_flag(command):
+    from infemeral.cli.main import build_parser
+    from infemeral.settings_flags import settings_from_args
+
+    args = build_parser().parse_args([command, "--wire", "e4m3-up"] + (["hi"] if command == "generate" else []))
+    assert settings_from_args(ClientSettings, args).wire == "e4m3-up"

@@ -2,7 +2,8 @@
 
 The hidden states come out of the client's own code path: the chat template as the
 SDK renders a turn, `ClientModel.cloak` (embedding, the local layers, times Q) in
-the SDK's step sizes, cast to the wire dtype. The keys/values are what the first
+the SDK's step sizes, through the wire's encoding as the pod decodes it (an 8-bit
+wire's rounding included). The keys/values are what the first
 served layer writes into the pod's KV cache for those states, computed with the
 server bundle's rotated weights the way the server runs them (`LayerStack` over a
 KV cache). The attacks then work on these tensors and nothing else.
@@ -18,6 +19,7 @@ from infemeral.client_half.half import ClientModel
 from infemeral.cloak.bundle import DTYPES, ServerBundle
 from infemeral.errors import InvalidArgument
 from infemeral.kvcache.prefix import common_prefix
+from infemeral.protocol.tensors import from_proto, to_proto
 from infemeral.quant.served import load_stack
 from infemeral.server.config import EngineConfig
 
@@ -31,7 +33,7 @@ class Observation:
 
     token_ids: list[int]
     user_positions: range  # the user's own message inside the chat template
-    hidden: torch.Tensor   # [n, d] in the secret basis, in the wire dtype
+    hidden: torch.Tensor   # [n, d] in the secret basis, as the pod decodes the wire
 
     @property
     def num_tokens(self) -> int:
@@ -53,16 +55,22 @@ def user_positions(tokenizer, messages: list[dict]) -> range:
     return range(start, end)
 
 
-def observe(model: ClientModel, tokenizer, messages: list[dict], wire_dtype: torch.dtype = torch.float32,
+def on_the_wire(hidden: torch.Tensor, wire: str) -> torch.Tensor:
+    """`hidden` [n, d] as the pod receives it over a wire of dtype `wire` (a WIRE_NAMES entry): encoded as the
+    client sends it and decoded as the server does."""
+    return from_proto(to_proto(hidden, wire), hidden.shape[1], hidden.shape[0], "observed")
+
+
+def observe(model: ClientModel, tokenizer, messages: list[dict], wire: str = "float32",
             step_tokens: int = STEP_TOKENS) -> Observation:
-    """Run the client half on a fresh session's prompt and return what goes on the wire."""
+    """Run the client half on a fresh session's prompt and return what the pod receives over `wire`."""
     ids = render(tokenizer, messages)
     context = model.config.max_position_embeddings
     if len(ids) > context:
         raise InvalidArgument(f"the prompt is {len(ids)} tokens with the chat template, longer than the model's "
                               f"context of {context}; audit a shorter prompt")
     cache = model.new_cache()
-    sent = [model.cloak(ids[i:i + step_tokens], cache).to(wire_dtype) for i in range(0, len(ids), step_tokens)]
+    sent = [on_the_wire(model.cloak(ids[i:i + step_tokens], cache), wire) for i in range(0, len(ids), step_tokens)]
     return Observation(ids, user_positions(tokenizer, messages), torch.cat(sent))
 
 

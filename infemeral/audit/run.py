@@ -11,13 +11,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import torch
-
 from infemeral.audit.context_matching import Recovery
 from infemeral.audit.gram_linking import link
 from infemeral.audit.kv_inversion import invert_keys_values
 from infemeral.audit.norm_matching import match_norms
-from infemeral.audit.observed import observe, served_keys_values
+from infemeral.audit.observed import observe, on_the_wire, served_keys_values
 from infemeral.audit.procrustes import solve_basis, spectrum_difference
 from infemeral.audit.public_weights import PublicWeights
 from infemeral.audit.report import AuditReport, Row
@@ -25,9 +23,10 @@ from infemeral.audit.samples import DEFAULT_PROMPT, EARLIER_EXCHANGE
 from infemeral.audit.tables import VocabularyTables
 from infemeral.audit.vocabulary_matching import match_vocabulary
 from infemeral.client_half.half import ClientModel
-from infemeral.cloak.bundle import DTYPES, ClientBundle, ServerBundle
+from infemeral.cloak.bundle import ClientBundle, ServerBundle
 from infemeral.cloak.sources import WeightSource, open_source
 from infemeral.errors import FailedPrecondition, InvalidArgument
+from infemeral.protocol.tensors import WIRE_NAMES
 
 NO_Q = "public embedding table; no Q"
 
@@ -35,19 +34,20 @@ NO_Q = "public embedding table; no Q"
 def audit(prompt: str | None = None, client_bundle: str | Path | None = None, *, system: str | None = None,
           server_bundle: str | Path | None = None, public_model: str | Path | WeightSource | None = None,
           wire_dtype: str = "float32", progress: bool = False) -> AuditReport:
-    """Measure what each observer recovers of `prompt` (default: a built-in sensitive sample)."""
+    """Measure what each observer recovers of `prompt` (default: a built-in sensitive sample), as the pod receives
+    it over a wire of `wire_dtype` (the server's dtype, or float8_e4m3fn for the 8-bit wire)."""
     prompt = DEFAULT_PROMPT if prompt is None else prompt
     if not prompt.strip():
         raise InvalidArgument("the prompt is empty: pass the text to audit, or leave it out to audit the "
                               "built-in sample")
-    if wire_dtype not in DTYPES:
-        raise InvalidArgument(f"wire dtype must be one of {', '.join(DTYPES)}, got {wire_dtype!r}")
+    if wire_dtype not in WIRE_NAMES:
+        raise InvalidArgument(f"wire dtype must be one of {', '.join(WIRE_NAMES)}, got {wire_dtype!r}")
     if client_bundle is None:
         from infemeral.client.settings import ClientSettings
 
         client_bundle = ClientSettings().client_bundle
     bundle = ClientBundle.open(client_bundle)
-    run = Audit(bundle, find_server_bundle(bundle, server_bundle), DTYPES[wire_dtype], progress)
+    run = Audit(bundle, find_server_bundle(bundle, server_bundle), wire_dtype, progress)
     return run.report(prompt, system, public_model)
 
 
@@ -71,7 +71,7 @@ def find_server_bundle(client: ClientBundle, path: str | Path | None) -> ServerB
 class Audit:
     """One audit: the user's bundles, what the pod sees of one prompt, and the attackers' shared tables."""
 
-    def __init__(self, bundle: ClientBundle, server: ServerBundle | None, wire: torch.dtype, progress: bool):
+    def __init__(self, bundle: ClientBundle, server: ServerBundle | None, wire: str, progress: bool):
         self.bundle, self.server, self.wire, self.progress = bundle, server, wire, progress
         self.model = ClientModel(bundle)
         self.tokenizer = bundle.tokenizer()
@@ -94,7 +94,7 @@ class Audit:
             self.notes.append("K/V inversion and solving Q need the server bundle: none matching this client bundle "
                               f"in {self.bundle.directory.parent / 'server'}; pass --server-bundle DIR")
         return AuditReport(prompt_tokens=self.seen.num_tokens, user_tokens=len(self.seen.user_positions),
-                           client_layers=self.bundle.client_layers, wire_dtype=str(self.wire).removeprefix("torch."),
+                           client_layers=self.bundle.client_layers, wire_dtype=self.wire,
                            public_weights=self.weights.description, rows=rows, notes=self.notes,
                            seconds=time.perf_counter() - started)
 
@@ -113,7 +113,8 @@ class Audit:
     # -- one method per attack ------------------------------------------------------------------
     def norm_rows(self) -> list[Row]:
         t0 = time.perf_counter()
-        raw = (self.model.embed.lookup(self.seen.token_ids).double() @ self.basis).to(self.wire)  # no local layers
+        plain = self.model.embed.lookup(self.seen.token_ids).double() @ self.basis  # no local layers
+        raw = on_the_wire(plain, self.wire)
         raw_guess = match_norms(raw, self.weights.embed)
         t1 = time.perf_counter()
         guess = match_norms(self.seen.hidden, self.weights.embed)

@@ -22,7 +22,7 @@ from infemeral.speculation.head.settings import add_arguments as add_head_traini
 
 CONNECTION = ("server", "client_bundle", "timeout", "tls_ca", "tls_client_cert", "tls_client_key", "tls_server_name",
               "api_key", "api_key_file")
-LOCAL_COMPUTE = ("client_dtype", "client_device", "client_quant")
+LOCAL_COMPUTE = ("client_dtype", "client_device", "client_quant", "wire")
 SAMPLING = ("max_new_tokens", "temperature", "top_k", "top_p", "repetition_penalty", "seed", "stop")
 SPECULATION = ("speculate", "max_draft", "draft_model", "draft_head", "answer_index", "answer_index_dir",
                "answer_index_tokens")
@@ -191,8 +191,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--public-model", metavar="DIR|GGUF",
                    help="the public model the bundles were prepared from: attack with its weights and solve Q from "
                         "the server bundle, instead of simulating that operator with the client's own Q")
-    a.add_argument("--wire-dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="dtype of the hidden states on the wire (the server's dtype; default: float32)")
+    a.add_argument("--wire-dtype", default="float32", choices=["float32", "bfloat16", "float16", "float8_e4m3fn"],
+                   help="dtype of the hidden states on the wire (the server's dtype, or float8_e4m3fn for --wire e4m3 "
+                        "or e4m3-up; default: float32)")
     a.add_argument("--json", action="store_true", help="print the report as JSON")
     a.add_argument("--show-tokens", action="store_true",
                    help="also print what each attack recovers of your text (that is your secret: mind your screen)")
