@@ -172,7 +172,7 @@ def check_model(tmp: Path) -> list[Check]:
 
 # -- 3. throughput -------------------------------------------------------------------------------
 def check_throughput(num_layers: int, sessions: list[int], context: int, steps: int) -> list[Check]:
-    from infemeral.kvcache.paged import PagePool
+    from infemeral.kvcache.paged import KVPages
     from infemeral.layers.stack import LayerStack
     from infemeral.layers.paged_attention import FlashInferBackend, TorchBackend
 
@@ -180,15 +180,15 @@ def check_throughput(num_layers: int, sessions: list[int], context: int, steps: 
     config = llama_config("llama-3-8b", num_layers)
     stack = LayerStack(config, 0, random_layers(config, num_layers, dtype), dtype=dtype, device="cuda")
     hd = config.hidden_size // config.num_attention_heads
-    pool = PagePool(max(sessions) * (-(-(context + steps + 1) // page)) + 8, page, 0, num_layers,
-                    config.num_key_value_heads, hd, dtype, "cuda")
+    kv = KVPages(max(sessions) * (-(-(context + steps + 1) // page)) + 8, page, 0, num_layers,
+                 config.num_key_value_heads, hd, dtype, "cuda")
     backends = {"flashinfer": FlashInferBackend(torch.device("cuda"), config.num_attention_heads,
                                                 config.num_key_value_heads, hd, page, dtype),
                 "torch": TorchBackend()}
     results: dict[tuple[str, int], float] = {}
     for n in sessions:
         for name, backend in backends.items():
-            results[(name, n)] = decode_rate(stack, pool, backend, n, context, steps)
+            results[(name, n)] = decode_rate(stack, kv, backend, n, context, steps)
             say(f"     {num_layers}-layer 8B shape, {n:2d} session(s) at {context} tokens, {name:10s}: "
                 f"{results[(name, n)]:8.1f} tokens/s")
     one = results[("flashinfer", sessions[0])]
@@ -343,7 +343,7 @@ def check_quantized_model(tmp: Path) -> list[Check]:
 def check_quantized_layers(num_layers: int, sessions: list[int], context: int, steps: int) -> list[Check]:
     """Random 8B-shaped layers, round-to-nearest int8 and int4 (default group): GPU memory of the weights and
     the decode step against bf16 (same weights, same pages), with the PyTorch attention backend."""
-    from infemeral.kvcache.paged import PagePool
+    from infemeral.kvcache.paged import KVPages
     from infemeral.layers.stack import LayerStack
     from infemeral.layers.paged_attention import TorchBackend
     from infemeral.quant import served
@@ -367,13 +367,13 @@ def check_quantized_layers(num_layers: int, sessions: list[int], context: int, s
         memory[mode] = torch.cuda.memory_allocated() - before
     del layers
     hd = config.hidden_size // config.num_attention_heads
-    pool = PagePool(max(sessions) * (-(-(context + steps + 1) // page)) + 8, page, 0, num_layers,
-                    config.num_key_value_heads, hd, dtype, "cuda")
+    kv = KVPages(max(sessions) * (-(-(context + steps + 1) // page)) + 8, page, 0, num_layers,
+                 config.num_key_value_heads, hd, dtype, "cuda")
     backend = TorchBackend()
     rate: dict[tuple[str, int], float] = {}
     for n in sessions:
         for mode, stack in stacks.items():
-            rate[(mode, n)] = decode_rate(stack, pool, backend, n, context, steps)
+            rate[(mode, n)] = decode_rate(stack, kv, backend, n, context, steps)
             say(f"     {num_layers}-layer 8B shape, {n:2d} session(s), {mode:8s}: {rate[(mode, n)]:8.1f} tokens/s")
     checks = []
     for mode, limit in (("int8", 0.55), ("int4", 0.3)):

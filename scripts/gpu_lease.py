@@ -1005,7 +1005,7 @@ def plain_decode_rate(model, sessions: int, context: int, steps: int, device, dt
 def stage_throughput(stage: Stage) -> None:
     """Decode tokens/s of an 8B-shaped model's layers through the engine's layer path (each attention backend)
     and through plain transformers, at each session count, every session with `context` tokens cached."""
-    from infemeral.kvcache.paged import PagePool
+    from infemeral.kvcache.paged import KVPages
     from infemeral.layers.stack import LayerStack
 
     plan, device, dtype = stage.plan, stage.device, stage.dtype
@@ -1013,20 +1013,20 @@ def stage_throughput(stage: Stage) -> None:
     layers = random_layers(config, config.num_hidden_layers, dtype, device)
     stack = LayerStack(config, 0, layers, dtype=dtype, device=device)  # the same tensors: nothing copied
     heads = head_sets(plan)["8b"]
-    pool = PagePool(max(plan.sessions) * -(-(plan.context + plan.decode_steps + 8) // PAGE) + 8, PAGE, 0,
-                    config.num_hidden_layers, heads[1], heads[2], dtype, device)
+    kv = KVPages(max(plan.sessions) * -(-(plan.context + plan.decode_steps + 8) // PAGE) + 8, PAGE, 0,
+                 config.num_hidden_layers, heads[1], heads[2], dtype, device)
     rates: dict[str, dict[int, float]] = {}
     for name, backend in attention_backends(stage, heads, dtype).items():
         for n in plan.sessions:
             stage.check(f"{name} at {n} sessions")
             try:
-                rates.setdefault(name, {})[n] = decode_rate(stack, pool, backend, n, plan.context, plan.decode_steps)
+                rates.setdefault(name, {})[n] = decode_rate(stack, kv, backend, n, plan.context, plan.decode_steps)
             except Exception as e:  # noqa: BLE001 - a backend that fails is recorded; the others are measured
                 stage.record(f"{name} error", f"{type(e).__name__}: {e}"[:500])
-                pool = PagePool(pool.num_pages, PAGE, 0, config.num_hidden_layers, heads[1], heads[2], dtype, device)
+                kv = KVPages(kv.num_pages, PAGE, 0, config.num_hidden_layers, heads[1], heads[2], dtype, device)
                 break
             stage.record("tokens_per_second", rates)
-    del pool
+    del kv
     model = plain_model(config, layers, device, dtype)
     for n in plan.sessions:
         stage.check(f"transformers at {n} sessions")
@@ -1064,7 +1064,7 @@ def stage_memory(stage: Stage) -> None:
     assumes; on a GPU, the pool of as many 8,192-token sessions as the table says fit beside the weights, and
     one decode step of all of them."""
     from infemeral.eval.server_quant import kv_bytes_per_token, served_bytes
-    from infemeral.kvcache.paged import PagedBatch, PagedSequence, PagePool
+    from infemeral.kvcache.paged import KVPages, PagedBatch, PagedSequence, PagePool
     from infemeral.layers.stack import LayerStack
     from infemeral.layers.paged_attention import select_backend
     from infemeral.quant.served import weight_bytes
@@ -1093,23 +1093,23 @@ def stage_memory(stage: Stage) -> None:
     pages = sessions * -(-plan.memory_context // PAGE)
     stage.check(f"the pool of {sessions} sessions")
     before_pool = torch.cuda.memory_allocated() if cuda else 0
-    pool = PagePool(pages, PAGE, 1, served_layers, heads[1], heads[2], dtype, device)
-    pool_bytes = sum(t.numel() * t.element_size() for t in pool.k + pool.v)
+    kv = KVPages(pages, PAGE, 1, served_layers, heads[1], heads[2], dtype, device)
     figures.update({"sessions (README's column for this GPU)" if column else "sessions": sessions,
                     "README column": column or "none (not a GPU)", "context per session": plan.memory_context,
-                    "KV GB per session (measured)": pool_bytes / sessions / 1e9,
+                    "KV GB per session (measured)": kv.nbytes / sessions / 1e9,
                     "KV GB per session (formula)": kv_token * plan.memory_context / 1e9})
     if cuda:
         figures["pool GB (allocated)"] = (torch.cuda.memory_allocated() - before_pool) / 1e9
     stage.record("memory", figures)
     backend = select_backend("auto", device, *heads, PAGE, dtype)
-    seqs = [PagedSequence(pool) for _ in range(sessions)]
+    pool = PagePool(pages, PAGE)
+    seqs = [PagedSequence(pool, kv) for _ in range(sessions)]
     for s in seqs:
         s.reserve(PAGE + 1)
     stack.forward_batch(torch.randn(sessions * PAGE, config.hidden_size, device=device, dtype=dtype) * 0.1,
-                        PagedBatch(pool, seqs, [PAGE] * sessions, backend))
+                        PagedBatch(kv, seqs, [PAGE] * sessions, backend))
     stack.forward_batch(torch.randn(sessions, config.hidden_size, device=device, dtype=dtype) * 0.1,
-                        PagedBatch(pool, seqs, [1] * sessions, backend))
+                        PagedBatch(kv, seqs, [1] * sessions, backend))
     synchronize(device)
     figures["decode step of every session"] = f"ran ({backend.name} backend)"
     if cuda:

@@ -69,23 +69,25 @@ def random_layers(config, num_layers: int, dtype, device="cuda", seed: int = 0, 
     return layers
 
 
-def decode_rate(stack, pool, backend, sessions: int, context: int, steps: int) -> float:
+def decode_rate(stack, kv, backend, sessions: int, context: int, steps: int) -> float:
     """Tokens per second of `steps` batched decode steps of `sessions` sessions, each prefilled with `context`
-    tokens (one at a time: bounded activation memory) in `pool`, whose pages are given back afterwards."""
-    from infemeral.kvcache.paged import PagedBatch, PagedSequence
+    tokens (one at a time: bounded activation memory) in the pages of `kv` (`KVPages`), which are given back
+    afterwards."""
+    from infemeral.kvcache.paged import PagedBatch, PagedSequence, PagePool
 
-    device, dtype, hidden = pool.device, pool.dtype, stack.config.hidden_size
-    seqs = [PagedSequence(pool) for _ in range(sessions)]
+    device, dtype, hidden = kv.device, kv.dtype, stack.config.hidden_size
+    pool = PagePool(kv.num_pages, kv.page_size)
+    seqs = [PagedSequence(pool, kv) for _ in range(sessions)]
     for s in seqs:
         s.reserve(context)
         stack.forward_batch(torch.randn(context, hidden, device=device, dtype=dtype) * 0.1,
-                            PagedBatch(pool, [s], [context], backend))
+                            PagedBatch(kv, [s], [context], backend))
 
     def step():
         for s in seqs:
             s.reserve(s.length + 1)
         stack.forward_batch(torch.randn(sessions, hidden, device=device, dtype=dtype) * 0.1,
-                            PagedBatch(pool, seqs, [1] * sessions, backend))
+                            PagedBatch(kv, seqs, [1] * sessions, backend))
 
     rate = sessions * steps_per_second(step, steps, device)
     for s in seqs:

@@ -122,8 +122,8 @@ class Client:
 
     def stored_cache(self) -> KVCache:
         """The committed cache, decrypted straight from the store."""
-        pool = self.engine.pool
-        cache = KVCache(pool.first_layer, pool.num_layers, pool.kv_heads, pool.head_dim, pool.dtype)
+        kv = self.engine.kv
+        cache = KVCache(kv.first_layer, kv.num_layers, kv.kv_heads, kv.head_dim, kv.dtype)
         self.engine.persistence.load(self.id, stored.SessionKeys.derive(self.id, self.key), self.version, cache)
         return cache
 
@@ -210,7 +210,7 @@ def test_truncation_and_eviction_give_pages_back(engine):
 
 
 def test_paged_sequence_frees_pages_on_truncate_and_evict(engine):
-    seq = PagedSequence(engine.pool)
+    seq = PagedSequence(engine.pool, engine.kv)
     seq.reserve(30)  # 4 pages
     seq.length = seq.committed_length = 30
     seq.truncate(9)  # 21: 3 pages
@@ -740,9 +740,9 @@ def test_keys_or_values_that_overflowed_fail_their_step_even_with_finite_outputs
                             kv_sums=[torch.tensor(1.0), torch.tensor(2.0)])
     outputs, bounds = torch.zeros(6, HIDDEN), [0, 3, 6]
     assert engine.runner._finite_steps(batch, outputs, bounds) == [True, True]
-    last = engine.pool.num_layers - 1
+    last = engine.kv.num_layers - 1
     page, offset = tb.cache.pages[0], 2
-    engine.pool.k[last][page, offset, 0, 0] = float("-inf")  # attention may well ignore a key like this one
+    engine.kv.k[last][page, offset, 0, 0] = float("-inf")  # attention may well ignore a key like this one
     assert engine.runner._finite_steps(batch, outputs, bounds) == [True, True]  # the screen passed: no read-back
     batch.kv_sums.append(torch.tensor(float("-inf")))
     assert engine.runner._finite_steps(batch, outputs, bounds) == [True, False]

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from infemeral.kvcache.paged import PagedBatch, PagedSequence, PagePool, PoolExhausted
+from infemeral.kvcache.paged import KVPages, PagedBatch, PagedSequence, PagePool, PoolExhausted
 from infemeral.layers import paged_attention
 from infemeral.layers.attention import attend
 from infemeral.layers.paged_attention import (IN_PLACE_MIN_TOKENS, BatchShape, FlashInferBackend, TorchBackend,
@@ -161,16 +161,18 @@ def test_contiguous_attention_matches_naive_reference():
     assert (out - naive(q, k, v, D ** -0.5)).abs().max() < 1e-4
 
 
-def make_pool(pages=32):
-    return PagePool(pages, PAGE, first_layer=3, num_layers=2, kv_heads=KVH, head_dim=D, dtype=torch.float32)
+def make_pages(pages=32) -> tuple[PagePool, KVPages]:
+    """The pool that counts the pages, and the keys and values in them."""
+    return PagePool(pages, PAGE), KVPages(pages, PAGE, first_layer=3, num_layers=2, kv_heads=KVH, head_dim=D,
+                                          dtype=torch.float32)
 
 
-def run_batch(pool, seqs, new, seed):
+def run_batch(kv, seqs, new, seed):
     """Write new K/V for each sequence through a PagedBatch (as the model's layers do) and attend."""
     g = torch.Generator().manual_seed(seed)
     for s, n in zip(seqs, new):
         s.reserve(s.length + n)
-    batch = PagedBatch(pool, seqs, new, TorchBackend())
+    batch = PagedBatch(kv, seqs, new, TorchBackend())
     total = sum(new)
     k, v = torch.randn(1, KVH, total, D, generator=g), torch.randn(1, KVH, total, D, generator=g)
     q = torch.randn(1, H, total, D, generator=g)
@@ -183,30 +185,30 @@ def run_batch(pool, seqs, new, seed):
 
 
 def test_isolation_other_sessions_pages_cannot_leak_in():
-    pool = make_pool()
-    a, b, c = (PagedSequence(pool) for _ in range(3))
-    run_batch(pool, [a, b, c], [20, 35, 3], seed=0)
-    reference = run_batch(pool, [a], [1], seed=5)
+    pool, kv = make_pages()
+    a, b, c = (PagedSequence(pool, kv) for _ in range(3))
+    run_batch(kv, [a, b, c], [20, 35, 3], seed=0)
+    reference = run_batch(kv, [a], [1], seed=5)
     a.truncate(1)  # undo the decode step and redo it with poisoned neighbours
-    for store in (pool.k, pool.v):
+    for store in (kv.k, kv.v):
         for t in store:
             t[b.pages] = 1e30
             t[c.pages[0]] = float("nan")
             free = sorted(set(range(pool.num_pages)) - set(a.pages) - set(b.pages) - set(c.pages))
             t[free] = float("nan")
-    poisoned = run_batch(pool, [a], [1], seed=5)
+    poisoned = run_batch(kv, [a], [1], seed=5)
     assert torch.isfinite(poisoned).all()
     assert torch.equal(poisoned, reference)
 
 
 def test_writes_land_only_in_the_sessions_own_pages():
-    pool = make_pool()
-    a, b = PagedSequence(pool), PagedSequence(pool)
-    run_batch(pool, [a, b], [9, 30], seed=0)
-    before = [t.clone() for t in pool.k + pool.v]
-    run_batch(pool, [a, b], [PAGE, 1], seed=1)
+    pool, kv = make_pages()
+    a, b = PagedSequence(pool, kv), PagedSequence(pool, kv)
+    run_batch(kv, [a, b], [9, 30], seed=0)
+    before = [t.clone() for t in kv.k + kv.v]
+    run_batch(kv, [a, b], [PAGE, 1], seed=1)
     owned = set(a.pages) | set(b.pages)
-    for old, new in zip(before, pool.k + pool.v):
+    for old, new in zip(before, kv.k + kv.v):
         differs = old.view(torch.int32) != new.view(torch.int32)  # bitwise: untouched pool memory may hold NaN
         changed = {int(p) for p in differs.flatten(1).any(1).nonzero().flatten()}
         assert changed <= owned
@@ -217,18 +219,18 @@ def test_writes_land_only_in_the_sessions_own_pages():
 
 
 def test_pool_allocation_release_and_exhaustion():
-    pool = make_pool(pages=4)
-    a = PagedSequence(pool)
+    pool, kv = make_pages(pages=4)
+    a = PagedSequence(pool, kv)
     a.reserve(3 * PAGE)
     assert pool.free_pages == 1
-    b = PagedSequence(pool)
+    b = PagedSequence(pool, kv)
     with pytest.raises(PoolExhausted, match="retry"):
         b.reserve(2 * PAGE)
     assert b.pages == [] and pool.free_pages == 1  # a failed reservation takes nothing
-    pool.k[0][a.pages] = 7.0
+    kv.k[0][a.pages] = 7.0
     a.wipe()
     assert pool.free_pages == 4
-    assert (pool.k[0] == 7.0).sum() == 0  # freed pages were zeroed
+    assert (kv.k[0] == 7.0).sum() == 0  # freed pages were zeroed
     b.reserve(4 * PAGE)
     assert sorted(b.pages) == [0, 1, 2, 3]
 
@@ -282,16 +284,16 @@ class FakeFlashInfer:
 
 def flashinfer_batch(new_tokens, heads=H, seed=0):
     """A PagedBatch over the fake FlashInfer backend, its sequences' K/V written; returns (batch, backend, fake)."""
-    pool = make_pool()
+    pool, kv = make_pages()
     fake = FakeFlashInfer()
     backend = FlashInferBackend(torch.device("cpu"), heads, KVH, D, PAGE, torch.float32, module=fake)
-    seqs = [PagedSequence(pool) for _ in new_tokens]
+    seqs = [PagedSequence(pool, kv) for _ in new_tokens]
     for s, n in zip(seqs, (20, 35, 3)):
         s.reserve(n + 1)
-        run_batch(pool, [s], [n], seed)
+        run_batch(kv, [s], [n], seed)
     for s, n in zip(seqs, new_tokens):
         s.reserve(s.length + n)
-    batch = PagedBatch(pool, seqs, new_tokens, backend)
+    batch = PagedBatch(kv, seqs, new_tokens, backend)
     g = torch.Generator().manual_seed(seed + 1)
     for layer in (3, 4):  # the new positions' keys/values, as the layers write them before attending
         batch.update(torch.randn(1, KVH, sum(new_tokens), D, generator=g),
@@ -303,9 +305,9 @@ def flashinfer_batch(new_tokens, heads=H, seed=0):
 def test_flashinfer_gets_host_int32_indices_one_plan_per_batch_and_the_right_wrapper(new_tokens, kind):
     batch, backend, fake = flashinfer_batch(new_tokens)
     q = torch.randn(sum(new_tokens), H, D, generator=torch.Generator().manual_seed(4))
-    for layer in range(batch.pool.num_layers):
+    for layer in range(batch.kv.num_layers):
         for _ in range(2):  # every layer of the forward pass reuses the plan
-            out = backend.run(q, batch.pool.k[layer], batch.pool.v[layer], batch, D ** -0.5)
+            out = backend.run(q, batch.kv.k[layer], batch.kv.v[layer], batch, D ** -0.5)
     plans = fake.plans()
     assert len(plans) == 1 and plans[0][0] == kind
     args, kwargs = plans[0][2], plans[0][3]
@@ -317,33 +319,33 @@ def test_flashinfer_gets_host_int32_indices_one_plan_per_batch_and_the_right_wra
     assert args[len(tensors):] == (H, KVH, D, PAGE)
     assert kwargs["sm_scale"] == D ** -0.5 and kwargs["window_left"] == -1
     assert kwargs["q_data_type"] == kwargs["kv_data_type"] == torch.float32
-    reference = torch_paged_attention(q, batch.pool.k[1], batch.pool.v[1], batch.qo_indptr, batch.kv_indptr,
+    reference = torch_paged_attention(q, batch.kv.k[1], batch.kv.v[1], batch.qo_indptr, batch.kv_indptr,
                                       batch.kv_indices, batch.kv_last_page_len, D ** -0.5)
     assert torch.isfinite(out).all() and torch.equal(out, reference)
     # The next batch plans again, once.
     batch.finish()
-    nxt = PagedBatch(batch.pool, batch.sequences, [1] * len(new_tokens), backend)
-    backend.run(q[:len(new_tokens)], batch.pool.k[0], batch.pool.v[0], nxt, D ** -0.5)
-    backend.run(q[:len(new_tokens)], batch.pool.k[1], batch.pool.v[1], nxt, D ** -0.5)
+    nxt = PagedBatch(batch.kv, batch.sequences, [1] * len(new_tokens), backend)
+    backend.run(q[:len(new_tokens)], batch.kv.k[0], batch.kv.v[0], nxt, D ** -0.5)
+    backend.run(q[:len(new_tokens)], batch.kv.k[1], batch.kv.v[1], nxt, D ** -0.5)
     assert len(fake.plans()) == 2 and fake.plans()[1][0] == "decode"
     with pytest.raises(RuntimeError, match="not planned"):
-        backend.run(q, batch.pool.k[0], batch.pool.v[0], batch, D ** -0.5)
+        backend.run(q, batch.kv.k[0], batch.kv.v[0], batch, D ** -0.5)
 
 
 def test_flashinfer_window_layers_get_their_own_plan_and_tensor_cores_follow_the_group_size():
     batch, backend, fake = flashinfer_batch([1, 1, 1])
     q = torch.randn(3, H, D)
     for layer, window in ((0, None), (1, 8), (0, None), (1, 8)):
-        out = backend.run(q, batch.pool.k[layer], batch.pool.v[layer], batch, D ** -0.5, window)
+        out = backend.run(q, batch.kv.k[layer], batch.kv.v[layer], batch, D ** -0.5, window)
     windows = sorted(p[3]["window_left"] for p in fake.plans())
     assert windows == [-1, 7]  # window_left is inclusive: 8 keys = the query and the 7 before it
-    assert torch.equal(out, torch_paged_attention(q, batch.pool.k[1], batch.pool.v[1], batch.qo_indptr,
+    assert torch.equal(out, torch_paged_attention(q, batch.kv.k[1], batch.kv.v[1], batch.qo_indptr,
                                                   batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len,
                                                   D ** -0.5, 8))
     created = [c[2] for c in fake.calls if c[:2] == ("decode", "new")]
     assert created and all(c["use_tensor_cores"] is False for c in created)  # 3 query heads per KV head
     batch8, backend8, fake8 = flashinfer_batch([1, 1, 1], heads=4 * KVH)
-    backend8.run(torch.randn(3, 4 * KVH, D), batch8.pool.k[0], batch8.pool.v[0], batch8, D ** -0.5)
+    backend8.run(torch.randn(3, 4 * KVH, D), batch8.kv.k[0], batch8.kv.v[0], batch8, D ** -0.5)
     assert [c[2]["use_tensor_cores"] for c in fake8.calls if c[:2] == ("decode", "new")] == [True]
 
 

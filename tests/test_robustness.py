@@ -144,7 +144,7 @@ def test_a_turn_cancelled_while_its_session_loads_is_closed_after_the_load(serve
     assert written  # the load did write its pages; the close wiped them, and every page is back
     assert pool.free_pages == pool.num_pages and pool.promised_pages == 0
     pages = torch.tensor(sorted(written))
-    assert all(not t[pages].any() for t in pool.k + pool.v), "a closed turn's pages still hold its keys/values"
+    assert all(not t[pages].any() for t in server.engine.kv.k + server.engine.kv.v), "a closed turn's pages still hold its keys/values"
     monkeypatch.undo()
     assert_resumes(session, path, blob)
     assert other.chat("And again?", SHORT).version == 2

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from infemeral.errors import Aborted
-from infemeral.kvcache.paged import PagedSequence, PagePool
+from infemeral.kvcache.paged import KVPages, PagedSequence, PagePool
 from infemeral.kvcache.stored import SessionKeys
 from infemeral.kvcache.window import WindowPolicy
 from infemeral.server.scheduler import Admission, Scheduler, StepRequest
@@ -27,14 +27,15 @@ class Clock:
 
 
 def make(num_pages: int = 16, budget: int = 8, wait: float = 1.0):
-    pool = PagePool(num_pages, PAGE, first_layer=0, num_layers=1, kv_heads=1, head_dim=2, dtype=torch.float32)
+    pool = PagePool(num_pages, PAGE)
+    kv = KVPages(num_pages, PAGE, first_layer=0, num_layers=1, kv_heads=1, head_dim=2, dtype=torch.float32)
     clock = Clock()
-    return pool, clock, Scheduler(WINDOW, torch.ones(1, dtype=torch.float64), budget, wait, clock)
+    return pool, kv, clock, Scheduler(WINDOW, torch.ones(1, dtype=torch.float64), budget, wait, clock)
 
 
-def new_turn(pool: PagePool, quota_tokens: int = 0, length: int = 0) -> Turn:
+def new_turn(pool: PagePool, kv: KVPages, quota_tokens: int = 0, length: int = 0) -> Turn:
     sid = os.urandom(16)
-    turn = Turn(sid, SessionKeys.derive(sid, os.urandom(32)), PagedSequence(pool))
+    turn = Turn(sid, SessionKeys.derive(sid, os.urandom(32)), PagedSequence(pool, kv))
     if quota_tokens:
         turn.cache.grant(quota_tokens)
     if length:
@@ -50,24 +51,24 @@ def step(turn: Turn, num_tokens: int, num_evicted: int = 0) -> StepRequest:
 
 
 def test_first_come_first_served_under_the_token_budget():
-    pool, _, scheduler = make(num_pages=64, budget=8)
-    steps = [step(new_turn(pool, 32), n) for n in (5, 4, 3, 1)]
+    pool, kv, _, scheduler = make(num_pages=64, budget=8)
+    steps = [step(new_turn(pool, kv, 32), n) for n in (5, 4, 3, 1)]
     for s in steps:
         scheduler.add(s)
     assert scheduler.schedule().batch == steps[:1]  # 5 + 4 > 8: the 4 waits its turn (no skipping ahead)
     assert scheduler.schedule().batch == steps[1:]  # 4 + 3 + 1 = 8
-    big = step(new_turn(pool, 32), 20)  # over the budget on its own: it still runs, alone
+    big = step(new_turn(pool, kv, 32), 20)  # over the budget on its own: it still runs, alone
     scheduler.add(big)
-    scheduler.add(small := step(new_turn(pool, 32), 1))
+    scheduler.add(small := step(new_turn(pool, kv, 32), 1))
     assert scheduler.schedule().batch == [big]
     assert scheduler.schedule().batch == [small]
     assert scheduler.num_waiting == 0
 
 
 def test_within_its_quota_a_step_is_admitted_even_with_no_spare_pages():
-    pool, _, scheduler = make(num_pages=4)
-    granted = new_turn(pool, quota_tokens=12)  # 3 pages promised
-    other = new_turn(pool)
+    pool, kv, _, scheduler = make(num_pages=4)
+    granted = new_turn(pool, kv, quota_tokens=12)  # 3 pages promised
+    other = new_turn(pool, kv)
     other.cache.reserve(PAGE)  # takes the only spare page
     assert pool.spare_pages == 0
     s = step(granted, 12)
@@ -76,9 +77,9 @@ def test_within_its_quota_a_step_is_admitted_even_with_no_spare_pages():
 
 
 def test_past_its_quota_a_step_waits_then_fails_and_keeps_its_place_meanwhile():
-    pool, clock, scheduler = make(num_pages=4, wait=1.0)
-    full = new_turn(pool, quota_tokens=12)
-    greedy = new_turn(pool, quota_tokens=4)
+    pool, kv, clock, scheduler = make(num_pages=4, wait=1.0)
+    full = new_turn(pool, kv, quota_tokens=12)
+    greedy = new_turn(pool, kv, quota_tokens=4)
     scheduler.add(over := step(greedy, 8))  # needs a second page: none spare
     scheduler.add(fine := step(full, 4))
     schedule = scheduler.schedule()
@@ -94,8 +95,8 @@ def test_past_its_quota_a_step_waits_then_fails_and_keeps_its_place_meanwhile():
 
 
 def test_the_window_slides_once_as_an_explicit_step():
-    pool, clock, scheduler = make(num_pages=7, wait=1.0)
-    turn = new_turn(pool, quota_tokens=24, length=22)
+    pool, kv, clock, scheduler = make(num_pages=7, wait=1.0)
+    turn = new_turn(pool, kv, quota_tokens=24, length=22)
     pool.take(pool.spare_pages)  # nothing spare: growth is only possible within the quota
     evict = WINDOW.tokens_to_evict(22, 5)
     assert evict == 4
@@ -106,14 +107,14 @@ def test_the_window_slides_once_as_an_explicit_step():
     assert v[0, :, 0].tolist() == [0.0, 1.0] + [float(p) for p in range(6, 22)]
     again = step(turn, 1)
     assert scheduler.admit(again) is Admission.ADMIT and turn.cache.length == 18  # no second slide
-    pool, _, scheduler = make()
+    pool, kv, _, scheduler = make()
     with pytest.raises(Aborted, match="evicted 0 tokens, not the 4 agreed"):
-        scheduler.slide_window(step(new_turn(pool, 24, length=4), 5, 4))
+        scheduler.slide_window(step(new_turn(pool, kv, 24, length=4), 5, 4))
 
 
 def test_a_step_of_a_turn_being_closed_does_not_start():
-    pool, _, scheduler = make()
-    turn = new_turn(pool, quota_tokens=8)
+    pool, kv, _, scheduler = make()
+    turn = new_turn(pool, kv, quota_tokens=8)
     turn.is_close_requested = True
     s = step(turn, 2)
     assert scheduler.admit(s) is Admission.FAIL and "closed" in s.error.message
@@ -121,7 +122,7 @@ def test_a_step_of_a_turn_being_closed_does_not_start():
 
 
 def test_page_quota_of_a_turn():
-    _, clock, _ = make()
+    _, _, clock, _ = make()
     scheduler = Scheduler(WINDOW, torch.ones(1, dtype=torch.float64), 8, 1.0, clock, default_reserve_tokens=6)
     assert scheduler.quota_tokens(length=10, reserve_tokens=5) == 15
     assert scheduler.quota_tokens(length=10, reserve_tokens=0) == 16  # undeclared: a modest default, not a window
@@ -132,9 +133,9 @@ def test_page_quota_of_a_turn():
 
 
 def two_cohorts(hold: float = 0.05):
-    pool, clock, _ = make(num_pages=64)
+    pool, kv, clock, _ = make(num_pages=64)
     scheduler = Scheduler(WINDOW, torch.ones(1, dtype=torch.float64), 64, 1.0, clock, max_batch_hold=hold)
-    return clock, scheduler, [new_turn(pool, 8) for _ in range(4)], [new_turn(pool, 8) for _ in range(4)]
+    return clock, scheduler, [new_turn(pool, kv, 8) for _ in range(4)], [new_turn(pool, kv, 8) for _ in range(4)]
 
 
 def test_cohorts_merge_when_the_others_are_about_to_send_their_next_step():
@@ -188,9 +189,9 @@ def test_no_holding_for_far_away_turns_for_a_lone_session_or_when_turned_off():
         wait_for = [s.turn for s in scheduler.waiting][:4]
         scheduler.waiting = type(scheduler.waiting)(s for s in scheduler.waiting if s.turn in wait_for)
         assert scheduler.hold_until() is None
-    pool, clock, _ = make()
+    pool, kv, clock, _ = make()
     lone = Scheduler(WINDOW, torch.ones(1, dtype=torch.float64), 64, 1.0, clock, max_batch_hold=0.05)
-    turn = new_turn(pool, 8)
+    turn = new_turn(pool, kv, 8)
     for _ in range(3):
         lone.add(step(turn, 1))
         assert lone.hold_until() is None  # nobody else to wait for
@@ -205,9 +206,9 @@ def test_a_held_batch_never_waits_past_half_a_forward_pass(late, is_held):
     is due exactly half a pass after the worker became free is waited for, until then and no longer; one due
     a moment later is not waited for. (Binary fractions of a second: the boundary is exact.)"""
     forward = 0.0625
-    pool, clock, _ = make(num_pages=64)
+    pool, kv, clock, _ = make(num_pages=64)
     scheduler = Scheduler(WINDOW, torch.ones(1, dtype=torch.float64), 64, 1.0, clock, max_batch_hold=1.0)
-    near, far = new_turn(pool, 8), new_turn(pool, 8)
+    near, far = new_turn(pool, kv, 8), new_turn(pool, kv, 8)
     for t in (near, far):
         scheduler.add(step(t, 1))
     clock.now = forward
@@ -224,10 +225,10 @@ def test_a_held_batch_never_waits_past_half_a_forward_pass(late, is_held):
     assert scheduler.hold_until() == (free + forward / 2 if is_held else None)
 
 
-def serve_turns(scheduler: Scheduler, clock: Clock, pool: PagePool, num_turns: int) -> None:
+def serve_turns(scheduler: Scheduler, clock: Clock, pool: PagePool, kv: KVPages, num_turns: int) -> None:
     """Turns that open, step a few times, and close (the engine tells the scheduler as each one closes)."""
     for _ in range(num_turns):
-        turns = [new_turn(pool, 8) for _ in range(2)]
+        turns = [new_turn(pool, kv, 8) for _ in range(2)]
         for _ in range(3):
             for t in turns:
                 scheduler.add(step(t, 1))
@@ -242,19 +243,19 @@ def serve_turns(scheduler: Scheduler, clock: Clock, pool: PagePool, num_turns: i
 
 def test_the_pacer_keeps_nothing_about_closed_turns():
     """(Old code: with holding off, the default, one entry per turn ever served, never forgotten.)"""
-    pool, clock, scheduler = make(num_pages=64)  # holding off
-    for t in (new_turn(pool, 8), new_turn(pool, 8)):  # turns still open: nothing recorded either
+    pool, kv, clock, scheduler = make(num_pages=64)  # holding off
+    for t in (new_turn(pool, kv, 8), new_turn(pool, kv, 8)):  # turns still open: nothing recorded either
         scheduler.add(step(t, 1))
         scheduler.ran(scheduler.schedule().batch, 0.040)
     assert not scheduler.is_pacing and scheduler.pacer.num_known == 0
-    serve_turns(scheduler, clock, pool, 50)
+    serve_turns(scheduler, clock, pool, kv, 50)
     assert scheduler.pacer.num_known == 0
     held = Scheduler(WINDOW, torch.ones(1, dtype=torch.float64), 64, 1.0, clock, max_batch_hold=0.05)
     assert held.is_pacing
-    open_turn = new_turn(pool, 8)
+    open_turn = new_turn(pool, kv, 8)
     held.add(step(open_turn, 1))
     held.ran(held.schedule().batch, 0.040)
-    serve_turns(held, clock, pool, 50)
+    serve_turns(held, clock, pool, kv, 50)
     assert held.pacer.num_known == 1  # only the turn still open
     held.forget(open_turn)
     assert held.pacer.num_known == 0

@@ -284,10 +284,10 @@ def test_two_ranks_serve_what_one_rank_serves(two_ranks, tmp_path):
     finally:
         for e in engines:
             e.stop()
-    pool = tp.runner.pool
+    pool, kv = tp.runner.pool, tp.runner.kv
     assert pool.free_pages == pool.num_pages
-    for slot in range(pool.num_layers):  # the pages the session held, read back from both ranks: zeroed
-        k, v = pool.read(slot, held, 0, len(held) * pool.page_size)
+    for slot in range(kv.num_layers):  # the pages the session held, read back from both ranks: zeroed
+        k, v = kv.read(slot, held, 0, len(held) * kv.page_size)
         assert k.shape[0] == bundle.config.num_key_value_heads and not k.any() and not v.any()
 
 

@@ -150,9 +150,9 @@ def test_a_non_finite_key_or_value_on_the_other_rank_alone_fails_the_step(tiny, 
     def overflowing(hidden, batch):
         out = forward(hidden, batch)
         if overflow.is_set():
-            last = batch.pool.num_layers - 1
-            batch.pool.v[last][batch.write_pages, batch.write_offsets] = float("inf")
-            batch.kv_sums.append(batch.pool.v[last][batch.write_pages].sum(dtype=torch.float32))
+            last = batch.kv.num_layers - 1
+            batch.kv.v[last][batch.write_pages, batch.write_offsets] = float("inf")
+            batch.kv_sums.append(batch.kv.v[last][batch.write_pages].sum(dtype=torch.float32))
         return out
 
     ranks.worker.runner.forward = overflowing

@@ -1,12 +1,14 @@
-"""The server's shared page pool and each session's view of it (a block table).
+"""The server's shared pages: who holds which (`PagePool`), what is in them (`KVPages`), and each session's
+view of both (`PagedSequence`, its block table).
 
-All active sessions' keys/values live in one pool per layer, shaped
-[num_pages, page_size, kv_heads, head_dim] (FlashInfer's NHD layout). A session
-owns a list of pages (its block table); its token t lives in page
-pages[t // page_size] at offset t % page_size. Pages are zeroed when they are
-returned, so no plaintext outlives its session, and never shared between
-sessions (no prefix sharing: deduplication would tell the server that two
-sessions hold the same text).
+The pool counts pages and holds no tensors (as nano-vllm's block manager);
+the keys/values of all active sessions live in `KVPages`, one tensor per layer
+shaped [num_pages, page_size, kv_heads, head_dim] (FlashInfer's NHD layout). A
+session owns a list of pages (its block table); its token t lives in page
+pages[t // page_size] at offset t % page_size. Pages are zeroed before they go
+back to the pool, so no plaintext outlives its session, and never shared
+between sessions (no prefix sharing: deduplication would tell the server that
+two sessions hold the same text).
 
 Quotas keep an admitted turn from being starved half-way through its answer:
 when a turn opens it is *granted* the pages it may still need, and the pool
@@ -72,18 +74,17 @@ class PageShare:
                 self.held_pages -= n
 
 
+def pages_for(tokens: int, page_size: int) -> int:
+    """Pages that hold `tokens` positions."""
+    return -(-tokens // page_size)
+
+
 class PagePool:
-    def __init__(self, num_pages: int, page_size: int, first_layer: int, num_layers: int, kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu", max_waiting: int | None = None):
+    """Which pages are free, promised to a turn's grant, or taken; no tensors (see `KVPages`)."""
+
+    def __init__(self, num_pages: int, page_size: int, max_waiting: int | None = None):
         self.num_pages, self.page_size = num_pages, page_size
         self.max_waiting = max_waiting  # most grants that may wait for pages at once (None: no limit)
-        self.first_layer, self.num_layers = first_layer, num_layers
-        self.kv_heads, self.head_dim = kv_heads, head_dim
-        self.dtype, self.device = dtype, torch.device(device)
-        shape = (num_pages, page_size, kv_heads, head_dim)
-        # torch.empty: memory is only touched as pages are used; attention never reads past a sequence's length.
-        self.k = [torch.empty(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.v = [torch.empty(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self._free = list(range(num_pages))  # a heap: lowest ids first keeps sequences mostly contiguous
         self._promised = 0  # free pages set aside for grants (invariant: never more than the free pages)
         self._waiting: list[list[int]] = []  # grants in line for pages, oldest first: [pages wanted] each
@@ -105,7 +106,7 @@ class PagePool:
             return len(self._free) - self._promised
 
     def pages_for(self, tokens: int) -> int:
-        return -(-tokens // self.page_size)
+        return pages_for(tokens, self.page_size)
 
     @property
     def num_waiting(self) -> int:
@@ -159,17 +160,36 @@ class PagePool:
             return [heapq.heappop(self._free) for _ in range(n)]
 
     def release(self, pages: list[int], regrant: int = 0) -> None:
-        """Wipe pages and return them to the pool; `regrant` of them stay promised to their turn's grant
-        (negative: also cancel that many unused promised pages)."""
-        self.zero(pages)
+        """Return pages (zeroed by their holder: `PagedSequence`) to the pool; `regrant` of them stay promised to
+        their turn's grant (negative: also cancel that many unused promised pages)."""
         with self._cond:
             for p in pages:
                 heapq.heappush(self._free, p)
             self._promised += regrant
             self._cond.notify_all()
 
-    # -- what is in the pages: every read and write of keys/values outside a forward pass goes through here
-    # (a tensor-parallel pool sends each to the other ranks, which hold the other KV heads of the same pages)
+
+class KVPages:
+    """The keys and values in the pages, per served layer; every read and write of them outside a forward pass
+    goes through here (a tensor-parallel server's `ShardedKVPages` sends each to the other ranks, which hold
+    the other KV heads of the same pages)."""
+
+    def __init__(self, num_pages: int, page_size: int, first_layer: int, num_layers: int, kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
+        self.num_pages, self.page_size = num_pages, page_size
+        self.first_layer, self.num_layers = first_layer, num_layers
+        self.kv_heads, self.head_dim = kv_heads, head_dim
+        self.dtype, self.device = dtype, torch.device(device)
+        shape = (num_pages, page_size, kv_heads, head_dim)
+        # torch.empty: memory is only touched as pages are used; attention never reads past a sequence's length.
+        self.k = [torch.empty(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.v = [torch.empty(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+
+    @property
+    def nbytes(self) -> int:
+        """Device memory the keys and values take (this process's share of them)."""
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
     def slots(self, pages: list[int], start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(page ids, offsets) of positions [start, end) of a sequence whose block table is `pages`."""
         pos = torch.arange(start, end)
@@ -210,13 +230,14 @@ class PagePool:
 
 
 class PagedSequence:
-    """One session's KV in the pool; a `KVSequence` like the contiguous KVCache, for the store and the window."""
+    """One session's KV: its pages from the pool, their contents in `kv`; a `KVSequence` like the contiguous
+    KVCache, for the store and the window."""
 
-    def __init__(self, pool: PagePool, share: PageShare | None = None):
-        self.pool = pool
+    def __init__(self, pool: PagePool, kv: KVPages, share: PageShare | None = None):
+        self.pool, self.kv = pool, kv
         self.share = share  # the pages its API key may hold, if the server limits keys
-        self.first_layer, self.num_layers = pool.first_layer, pool.num_layers
-        self.kv_heads, self.head_dim, self.dtype = pool.kv_heads, pool.head_dim, pool.dtype
+        self.first_layer, self.num_layers = kv.first_layer, kv.num_layers
+        self.kv_heads, self.head_dim, self.dtype = kv.kv_heads, kv.head_dim, kv.dtype
         self.pages: list[int] = []
         self.quota_pages = 0  # pages this sequence was granted: it can always hold this many
         self.length = 0
@@ -268,6 +289,7 @@ class PagedSequence:
         if len(self.pages) > keep:
             before, held = self.unused_quota, self.held_pages
             extra, self.pages = self.pages[keep:], self.pages[:keep]
+            self.kv.zero(extra)
             self.pool.release(extra, regrant=self.unused_quota - before)
             self._give_back(held - self.held_pages)
 
@@ -281,22 +303,22 @@ class PagedSequence:
 
     def slots(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(page ids, offsets) of positions [start, end)."""
-        return self.pool.slots(self.pages, start, end)
+        return self.kv.slots(self.pages, start, end)
 
     def page_table(self) -> torch.Tensor:
-        return torch.tensor(self.pages[: self.pool.pages_for(self.length)], dtype=torch.long, device=self.pool.device)
+        return torch.tensor(self.pages[: self.pool.pages_for(self.length)], dtype=torch.long, device=self.kv.device)
 
     def write(self, slot: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Write [kv_heads, n, head_dim] keys/values at positions start.. (pages must be reserved)."""
-        self.pool.write(slot, self.pages, start, keys, values)
+        self.kv.write(slot, self.pages, start, keys, values)
 
     # -- the KVSequence interface used by the store, the window and the engine ----------------------------
     def layer_tensors(self, slot: int, start: int = 0, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.pool.read(slot, self.pages, start, self.length if end is None else end)
+        return self.kv.read(slot, self.pages, start, self.length if end is None else end)
 
     def load_layer(self, slot: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         self.reserve(keys.shape[1])
-        self.write(slot, 0, keys.to(self.pool.device), values.to(self.pool.device))
+        self.write(slot, 0, keys.to(self.kv.device), values.to(self.kv.device))
 
     def set_length(self, length: int) -> None:
         self.length = self.committed_length = length
@@ -312,7 +334,7 @@ class PagedSequence:
         """Drop positions [start, start + count), move later ones down (re-keyed), free whole pages."""
         if start + count > self.length:
             raise ValueError(f"cannot evict {count} tokens from {start} in a cache of {self.length}")
-        self.pool.move(self.pages, start + count, self.length, start, rekey)
+        self.kv.move(self.pages, start + count, self.length, start, rekey)
         self.length -= count
         self.committed_length = min(self.committed_length, start)
         self._trim()
@@ -326,6 +348,7 @@ class PagedSequence:
         self.pages, self.quota_pages = [], 0
         self.length = self.committed_length = 0
         try:
+            self.kv.zero(pages)
             self.pool.release(pages, regrant=-unused)
         finally:
             self._give_back(held)
@@ -341,13 +364,13 @@ class PagedBatch:
     without a device sync per layer.
     """
 
-    def __init__(self, pool: PagePool, sequences: list[PagedSequence], new_tokens: list[int], backend):
-        self.pool, self.sequences, self.new_tokens, self.backend = pool, sequences, new_tokens, backend
-        page = pool.page_size
+    def __init__(self, kv: KVPages, sequences: list[PagedSequence], new_tokens: list[int], backend):
+        self.kv, self.sequences, self.new_tokens, self.backend = kv, sequences, new_tokens, backend
+        page = kv.page_size
         qo, kvp, indices, last, pages, offsets, positions = [0], [0], [], [], [], [], []
         for seq, n in zip(sequences, new_tokens):
             total = seq.length + n
-            used = pool.pages_for(total)
+            used = pages_for(total, page)
             if used > len(seq.pages):
                 raise RuntimeError("pages must be reserved before a sequence joins a batch")
             indices += seq.pages[:used]
@@ -363,7 +386,7 @@ class PagedBatch:
         self.kv_indptr = torch.tensor(kvp, dtype=torch.int32)
         self.kv_indices = torch.tensor(indices, dtype=torch.int32)
         self.kv_last_page_len = torch.tensor(last, dtype=torch.int32)
-        dev = pool.device
+        dev = kv.device
         self.write_pages = torch.tensor(pages, dtype=torch.long).to(dev)
         self.write_offsets = torch.tensor(offsets, dtype=torch.long).to(dev)
         self.positions = torch.tensor(positions, dtype=torch.long).to(dev).unsqueeze(0)
@@ -371,15 +394,15 @@ class PagedBatch:
         self.kv_sums: list[torch.Tensor] = []  # per layer, in float32: inf/NaN in anything written shows here
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        slot = layer_idx - self.pool.first_layer
-        self.pool.k[slot][self.write_pages, self.write_offsets] = key_states[0].transpose(0, 1)
-        self.pool.v[slot][self.write_pages, self.write_offsets] = value_states[0].transpose(0, 1)
+        slot = layer_idx - self.kv.first_layer
+        self.kv.k[slot][self.write_pages, self.write_offsets] = key_states[0].transpose(0, 1)
+        self.kv.v[slot][self.write_pages, self.write_offsets] = value_states[0].transpose(0, 1)
         self.kv_sums += [key_states.sum(dtype=torch.float32), value_states.sum(dtype=torch.float32)]
         return key_states, value_states
 
     def attend(self, layer_idx: int, query: torch.Tensor, scaling: float, sliding_window=None) -> torch.Tensor:
-        slot = layer_idx - self.pool.first_layer
-        out = self.backend.run(query[0].transpose(0, 1).contiguous(), self.pool.k[slot], self.pool.v[slot], self,
+        slot = layer_idx - self.kv.first_layer
+        out = self.backend.run(query[0].transpose(0, 1).contiguous(), self.kv.k[slot], self.kv.v[slot], self,
                                scaling, sliding_window)
         return out.unsqueeze(0)
 

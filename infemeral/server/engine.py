@@ -34,7 +34,7 @@ import torch
 
 from infemeral.cloak.bundle import ServerBundle
 from infemeral.errors import Aborted, InvalidArgument, StatusError, Unavailable
-from infemeral.kvcache.paged import PagePool
+from infemeral.kvcache.paged import KVPages, PagePool
 from infemeral.kvcache.persistence import SessionPersistence
 from infemeral.kvcache.window import WindowPolicy
 from infemeral.layers.stack import LayerStack
@@ -103,7 +103,7 @@ class Engine:
         self.scheduler = Scheduler(self.config.window, self.runner.inv_freq, self.config.batch_token_budget,
                                    self.config.admission_wait, max_batch_hold=self.config.max_batch_hold,
                                    default_reserve_tokens=self.config.default_reserve_tokens)
-        self.sessions = Sessions(bundle.fingerprint, store, self.pool, self.config, metrics=self.metrics,
+        self.sessions = Sessions(bundle.fingerprint, store, self.pool, self.runner.kv, self.config, metrics=self.metrics,
                                  quota_tokens=self.scheduler.quota_tokens, on_closed=self._forget_pacing)
         self._stats = EngineStats()
         self._queue: queue.Queue[StepRequest | WorkerJob | None] = queue.Queue()
@@ -138,7 +138,13 @@ class Engine:
 
     @property
     def pool(self) -> PagePool:
+        """Which KV pages are free, promised or taken."""
         return self.runner.pool
+
+    @property
+    def kv(self) -> KVPages:
+        """The keys and values in the pages."""
+        return self.runner.kv
 
     @property
     def layers(self) -> LayerStack:

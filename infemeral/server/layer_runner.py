@@ -19,8 +19,7 @@ import logging
 import torch
 
 from infemeral.cloak.bundle import ServerBundle
-from infemeral.devices import resolve_device, resolve_dtype
-from infemeral.kvcache.paged import PagedBatch, PagedSequence, PagePool
+from infemeral.kvcache.paged import KVPages, PagedBatch, PagedSequence, PagePool
 from infemeral.kvcache.window import rope_shift_frequencies
 from infemeral.layers.stack import head_dim
 from infemeral.layers.paged_attention import select_backend
@@ -28,6 +27,7 @@ from infemeral.layers.plain_decoder import layer_window
 from infemeral.quant.served import ServerQuant, kernels_in_use, load_stack
 from infemeral.server import self_check
 from infemeral.server.config import EngineConfig
+from infemeral.server.devices import resolve_device, resolve_dtype
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +53,9 @@ class LayerRunner:
         window = config.window
         self.inv_freq = (rope_shift_frequencies(self.layers.rotary, model, window.max_context)
                          if window.enabled else None)  # pure RoPE angles, for re-keying after evictions
-        self.pool = self.new_pool(config.num_pages, window.page_size, bundle.first_layer, bundle.num_layers,
-                                  model.num_key_value_heads, head_dim(model), self.dtype, self.device,
-                                  max_waiting=config.max_waiting_turns)
+        self.pool = PagePool(config.num_pages, window.page_size, max_waiting=config.max_waiting_turns)
+        self.kv = self.new_kv_pages(config.num_pages, window.page_size, bundle.first_layer, bundle.num_layers,
+                                    model.num_key_value_heads, head_dim(model), self.dtype, self.device)
         self.backend = select_backend(config.attention_backend, self.device, model.num_attention_heads,
                                       model.num_key_value_heads, head_dim(model), window.page_size, self.dtype)
         if self.device.type == "cuda":
@@ -68,7 +68,7 @@ class LayerRunner:
             num_outputs: list[int]) -> list[torch.Tensor | None]:
         """Append each step's positions to its cache; return its last `num_outputs` residuals, on the CPU,
         or None for a step whose activations overflowed to inf/NaN anywhere (outputs or keys/values)."""
-        batch = PagedBatch(self.pool, caches, [h.shape[0] for h in hidden], self.backend)
+        batch = PagedBatch(self.kv, caches, [h.shape[0] for h in hidden], self.backend)
         out = self.forward(torch.cat([h.to(self.dtype) for h in hidden]), batch)  # [sum n_i, d]
         ends = batch.qo_indptr.tolist()[1:]
         is_finite = self._finite_steps(batch, out, [0] + ends)
@@ -78,9 +78,10 @@ class LayerRunner:
         # each session's rows in a tensor of its own
         return [a.clone() if ok else None for a, ok in zip(answers.split(num_outputs), is_finite)]
 
-    def new_pool(self, *args, **kwargs) -> PagePool:
-        """The page pool (a tensor-parallel runner's sends its page operations to the other ranks)."""
-        return PagePool(*args, **kwargs)
+    def new_kv_pages(self, *args) -> KVPages:
+        """The keys and values in the pages (a tensor-parallel runner's send their reads and writes to the other
+        ranks)."""
+        return KVPages(*args)
 
     def forward(self, hidden: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
         """The served layers over one batch (a tensor-parallel runner first hands the batch to the other ranks)."""

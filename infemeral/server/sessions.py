@@ -26,7 +26,7 @@ from collections import Counter
 from collections.abc import Callable
 
 from infemeral.errors import Aborted, FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
-from infemeral.kvcache.paged import PagedSequence, PagePool, PageShare
+from infemeral.kvcache.paged import KVPages, PagedSequence, PagePool, PageShare
 from infemeral.kvcache.persistence import SessionPersistence
 from infemeral.kvcache.stored import SessionKeys
 from infemeral.server.config import EngineConfig
@@ -66,12 +66,12 @@ class Sessions:
     `quota_tokens(length, reserve_tokens)`: the tokens a turn opening at `length` is granted (the scheduler's
     rule). `on_closed(turn)`: called once a turn is closed and its slot released (the engine forgets its pacing)."""
 
-    def __init__(self, fingerprint: str, store: Store, pool: PagePool, config: EngineConfig, *,
+    def __init__(self, fingerprint: str, store: Store, pool: PagePool, kv: KVPages, config: EngineConfig, *,
                  quota_tokens: Callable[[int, int], int], on_closed: Callable[[Turn], None] | None = None,
                  metrics: NullMetrics | None = None):
         self.fingerprint = fingerprint
         self.store = store
-        self.pool = pool
+        self.pool, self.kv = pool, kv
         self.config = config
         self.metrics = metrics or NullMetrics()
         self.persistence = SessionPersistence(store, fingerprint)
@@ -151,7 +151,7 @@ class Sessions:
                 raise ResourceExhausted(f"server is serving its limit of {self.config.max_sessions} turns; "
                                         "retry in a second", retry_after=1.0)
             turn = Turn(session_id, SessionKeys.derive(session_id, session_key),
-                        PagedSequence(self.pool, self._share(account)), turn_id=turn_id, account=account)
+                        PagedSequence(self.pool, self.kv, self._share(account)), turn_id=turn_id, account=account)
             self._active[session_id] = turn
             if account is not None:
                 self._turns_by_account[account] += 1

@@ -1,7 +1,7 @@
 """Rank 0: everything a client talks to, and the driver of the other ranks.
 
 The engine, the scheduler, turns, the store and its encryption all stay here, unchanged: they see a
-`TensorParallelRunner` (a `LayerRunner` over rank 0's shard) and its `ShardedPagePool`. Whatever touches
+`TensorParallelRunner` (a `LayerRunner` over rank 0's shard) and its `ShardedKVPages`. Whatever touches
 pages goes to every rank, one operation at a time under one lock, in the same order everywhere:
 
 * a forward pass: the batch's block tables, lengths and new tokens, then its hidden states (broadcast);
@@ -36,7 +36,7 @@ import torch
 
 from infemeral.cloak.bundle import ServerBundle
 from infemeral.errors import Unavailable
-from infemeral.kvcache.paged import PagedBatch, PagePool
+from infemeral.kvcache.paged import KVPages, PagedBatch
 from infemeral.server.config import EngineConfig
 from infemeral.server.layer_runner import LayerRunner
 from infemeral.server.parallel import ops
@@ -129,22 +129,33 @@ class Driver:
             self.group.all_reduce(torch.zeros(1, device=self.group.device))
 
 
-class ShardedPagePool(PagePool):
-    """Rank 0's page pool: its own share of every page's KV heads, and the bookkeeping of all of them.
+class ShardedKVPages:
+    """Rank 0's keys and values in the pages: its own share of every page's KV heads (`local`), and every read
+    and write of them on all ranks. The page pool, which counts pages, is the same as on one rank.
 
     Sequences see the model's full KV head count (the store records it, so a session moves between
     servers of any rank count); reads gather every rank's heads, writes scatter them, moves and zeroing
     run on every rank."""
 
-    def __init__(self, driver: Driver, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.driver = driver
-        self.local_kv_heads = self.kv_heads
-        self.kv_heads = self.local_kv_heads * driver.world
+    def __init__(self, driver: Driver, local: KVPages):
+        self.driver, self.local = driver, local
+        self.k, self.v = local.k, local.v  # what a forward pass on this rank attends over
+        self.num_pages, self.page_size = local.num_pages, local.page_size
+        self.first_layer, self.num_layers = local.first_layer, local.num_layers
+        self.head_dim, self.dtype, self.device = local.head_dim, local.dtype, local.device
+        self.local_kv_heads = local.kv_heads
+        self.kv_heads = local.kv_heads * driver.world
+
+    @property
+    def nbytes(self) -> int:
+        return self.local.nbytes
+
+    def slots(self, pages: list[int], start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.local.slots(pages, start, end)
 
     def read(self, slot: int, pages: list[int], start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         with self.driver.op(ops.Read(slot, list(pages), start, end)):
-            k, v = super().read(slot, pages, start, end)
+            k, v = self.local.read(slot, pages, start, end)
             parts = self.driver.group.gather(torch.stack([k, v]).contiguous())
         kv = torch.cat(parts, dim=1)  # rank order is head order
         return kv[0], kv[1]
@@ -154,14 +165,14 @@ class ShardedPagePool(PagePool):
         parts = [p.contiguous() for p in kv.chunk(self.driver.world, dim=1)]
         with self.driver.op(ops.Write(slot, list(pages), start, kv.shape[2])):
             mine = self.driver.group.scatter(torch.empty_like(parts[0]), parts)
-            super().write(slot, pages, start, mine[0], mine[1])
+            self.local.write(slot, pages, start, mine[0], mine[1])
 
     def move(self, pages: list[int], start: int, end: int, to: int, rekey) -> None:
         with self.driver.op(ops.Move(list(pages), start, end, to, rekey)):
-            super().move(pages, start, end, to, rekey)
+            self.local.move(pages, start, end, to, rekey)
 
     def zero(self, pages: list[int]) -> None:
-        super().zero(pages)  # rank 0's share, whatever happens to the others
+        self.local.zero(pages)  # rank 0's share, whatever happens to the others
         if not pages or self.driver.failure is not None or self.driver.is_closed:
             return  # lost or stopped ranks are killed or exit, and their pages with them
         try:
@@ -179,8 +190,8 @@ class TensorParallelRunner(LayerRunner):
         super().__init__(ShardedBundle(bundle, driver.shard), config)
         attach_all_reduce(self.layers, driver.group.all_reduce)
 
-    def new_pool(self, *args, **kwargs) -> PagePool:
-        return ShardedPagePool(self.driver, *args, **kwargs)
+    def new_kv_pages(self, *args) -> ShardedKVPages:
+        return ShardedKVPages(self.driver, KVPages(*args))
 
     def forward(self, hidden: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
         views = [ops.SequenceView(seq.pages[:self.pool.pages_for(seq.length + n)], seq.length)
@@ -247,7 +258,7 @@ class TensorParallel:
             except Exception as e:  # noqa: BLE001 - reported once every rank has answered
                 ok, error = 0.0, e
             report = torch.tensor([ok, parameter_bytes(runner.layers) if runner else 0,
-                                   pool_bytes(runner.pool) if runner else 0], dtype=torch.float64)
+                                   runner.kv.nbytes if runner else 0], dtype=torch.float64)
             reports = group.gather(report, timeout=max(timeout, START_TIMEOUT))
             if error is not None:
                 raise error
@@ -345,7 +356,3 @@ def brief(e: BaseException) -> str:
         text = text.split("] ", 1)[1]
     text = text.split(". ", 1)[0].rstrip(".")
     return f"{type(e).__name__}: {text[:200]}" if text else type(e).__name__
-
-
-def pool_bytes(pool: PagePool) -> int:
-    return sum(t.numel() * t.element_size() for t in pool.k + pool.v)

@@ -39,7 +39,7 @@ def nonfinite_flag(batch: PagedBatch, device: torch.device) -> torch.Tensor:
 
 class Worker:
     def __init__(self, group: Group, runner: LayerRunner):
-        self.group, self.runner, self.pool = group, runner, runner.pool
+        self.group, self.runner, self.kv = group, runner, runner.kv
         self.hidden_size = runner.layers.config.hidden_size
         self.handlers = {ops.Forward: self.forward, ops.Read: self.read, ops.Write: self.write, ops.Move: self.move,
                          ops.Zero: self.zero, ops.Ping: self.ping}
@@ -52,24 +52,24 @@ class Worker:
         runner = self.runner
         hidden = self.group.broadcast(torch.empty(op.num_tokens, self.hidden_size, dtype=runner.dtype,
                                                   device=runner.device))
-        batch = PagedBatch(self.pool, op.sequences, op.new_tokens, runner.backend)
+        batch = PagedBatch(self.kv, op.sequences, op.new_tokens, runner.backend)
         runner.forward(hidden, batch)
         self.group.all_reduce(nonfinite_flag(batch, runner.device))
 
     def read(self, op: ops.Read) -> None:
-        k, v = self.pool.read(op.slot, op.pages, op.start, op.end)
+        k, v = self.kv.read(op.slot, op.pages, op.start, op.end)
         self.group.gather(torch.stack([k, v]).contiguous())
 
     def write(self, op: ops.Write) -> None:
-        kv = self.group.scatter(torch.empty(2, self.pool.kv_heads, op.num_tokens, self.pool.head_dim,
-                                            dtype=self.pool.dtype, device=self.pool.device))
-        self.pool.write(op.slot, op.pages, op.start, kv[0], kv[1])
+        kv = self.group.scatter(torch.empty(2, self.kv.kv_heads, op.num_tokens, self.kv.head_dim,
+                                            dtype=self.kv.dtype, device=self.kv.device))
+        self.kv.write(op.slot, op.pages, op.start, kv[0], kv[1])
 
     def move(self, op: ops.Move) -> None:
-        self.pool.move(op.pages, op.start, op.end, op.to, op.rekey)
+        self.kv.move(op.pages, op.start, op.end, op.to, op.rekey)
 
     def zero(self, op: ops.Zero) -> None:
-        self.pool.zero(op.pages)
+        self.kv.zero(op.pages)
 
     def ping(self, op: ops.Ping) -> None:
         self.group.all_reduce(torch.zeros(1, device=self.group.device))
@@ -98,8 +98,8 @@ def serve(launch: Launch, device_kind: str, timeout: float) -> int:
         attach_all_reduce(runner.layers, group.all_reduce)
     except Exception:
         log.exception("rank %d could not load its shard of the served layers", rank)
-    pool_bytes = sum(t.numel() * t.element_size() for t in runner.pool.k + runner.pool.v) if runner else 0
-    report = torch.tensor([1.0 if runner else 0.0, parameter_bytes(runner.layers) if runner else 0, pool_bytes],
+    report = torch.tensor([1.0 if runner else 0.0, parameter_bytes(runner.layers) if runner else 0,
+                           runner.kv.nbytes if runner else 0],
                           dtype=torch.float64)
     try:
         group.gather(report, timeout=max(timeout, START_TIMEOUT))

@@ -129,7 +129,7 @@ def run(wb) -> Result:
     two = Engine(bundle, DirectoryStore(wb.tmp / "tp-two"), config, runner=tp.runner)
     try:
         single_bytes = parameter_bytes(one.runner.layers)
-        single_pool = sum(t.numel() * t.element_size() for t in one.pool.k + one.pool.v)
+        single_pool = one.kv.nbytes
         rank_weights = max(w for w, _ in tp.rank_bytes)
         rank_pool = max(p for _, p in tp.rank_bytes)
         rows = []
