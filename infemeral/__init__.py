@@ -10,7 +10,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["Client", "Session", "SamplingParams", "prepare", "__version__"]
+__all__ = ["Client", "Session", "SamplingParams", "UploadProgress", "prepare", "__version__"]
 
 
 def __getattr__(name: str):
@@ -27,6 +27,10 @@ def __getattr__(name: str):
         from infemeral.client.sampling import SamplingParams
 
         return SamplingParams
+    if name == "UploadProgress":
+        from infemeral.client.upload import UploadProgress
+
+        return UploadProgress
     if name == "prepare":
         from infemeral.cloak.prepare import prepare
 

@@ -20,6 +20,7 @@ from infemeral.client.sampling import SamplingParams
 from infemeral.client.server_link import ServerLink
 from infemeral.client.session import Session
 from infemeral.client.settings import ClientSettings
+from infemeral.client.upload import ProgressCallback
 from infemeral.client.template import ChatTemplate
 from infemeral.cloak.bundle import ClientBundle
 from infemeral.errors import FailedPrecondition, NoChatTemplate
@@ -166,11 +167,13 @@ class Client:
     def load_session(self, path: str | Path) -> Session:
         return Session.load(self, path)
 
-    def generate(self, prompt: str, sampling: SamplingParams | None = None, *, delete: bool = True) -> TurnResult:
-        """One question, one answer, in a fresh session (deleted from the server afterwards)."""
+    def generate(self, prompt: str, sampling: SamplingParams | None = None, *, delete: bool = True,
+                 on_progress: ProgressCallback | None = None) -> TurnResult:
+        """One question, one answer, in a fresh session (deleted from the server afterwards); `on_progress` as
+        for `Session.chat`."""
         session = self.new_session()
         try:
-            return session.chat(prompt, sampling)
+            return session.chat(prompt, sampling, on_progress=on_progress)
         finally:
             if delete and session.version:
                 session.delete()

@@ -29,6 +29,7 @@ from infemeral.client.sampling import SamplingParams
 from infemeral.client.session_file import SavedSession
 from infemeral.client.stream import open_turn
 from infemeral.client.turn import TurnLoop
+from infemeral.client.upload import ProgressCallback
 from infemeral.errors import Aborted, InfemeralError
 from infemeral.kvcache.cache import KVCache
 from infemeral.kvcache.prefix import common_prefix
@@ -63,39 +64,48 @@ class Session:
         return f"Session(id={self.id.hex()[:8]}…, version={self.version}, tokens={len(self.history_ids)})"
 
     # -- chat ---------------------------------------------------------------------------------
-    def chat(self, message: str, sampling: SamplingParams | None = None) -> TurnResult:
-        """Send a user message; return the full answer once generated."""
-        for _ in self.stream(message, sampling):
+    def chat(self, message: str, sampling: SamplingParams | None = None, *,
+             on_progress: ProgressCallback | None = None) -> TurnResult:
+        """Send a user message; return the full answer once generated.
+
+        `on_progress`, here and in every call that answers, hears how far the prompt's upload has got (an
+        `UploadProgress` as the pod answers each of its steps); an exception it raises cancels the turn, and
+        the session stays as it was."""
+        for _ in self.stream(message, sampling, on_progress=on_progress):
             pass
         return self.last_result
 
-    def stream(self, message: str, sampling: SamplingParams | None = None) -> Iterator[str]:
+    def stream(self, message: str, sampling: SamplingParams | None = None, *,
+               on_progress: ProgressCallback | None = None) -> Iterator[str]:
         """Send a user message; yield the answer's text as it is sampled."""
-        return self._stream(self.messages + [{"role": "user", "content": message}], sampling or SamplingParams())
+        return self._stream(self.messages + [{"role": "user", "content": message}], sampling or SamplingParams(),
+                            on_progress=on_progress)
 
     def _stream(self, messages: list[dict], params: SamplingParams, **turn_options) -> Iterator[str]:
         with TurnLoop(self, messages, params, **turn_options) as turn:
             yield from turn.generate()
             turn.commit()
 
-    def stream_messages(self, messages: list[dict], sampling: SamplingParams | None = None) -> Iterator[str]:
+    def stream_messages(self, messages: list[dict], sampling: SamplingParams | None = None, *,
+                        on_progress: ProgressCallback | None = None) -> Iterator[str]:
         """Answer the last message of a whole transcript; yield the answer's text as it is sampled.
 
         The caches keep what they share with the transcript and only the rest is sent, so a caller that
         resends a growing conversation every time (as OpenAI-style tools do) sends only its new tokens."""
-        return self._stream([dict(m) for m in messages], sampling or SamplingParams(), is_whole_transcript=True)
+        return self._stream([dict(m) for m in messages], sampling or SamplingParams(), is_whole_transcript=True,
+                            on_progress=on_progress)
 
     # -- raw text -----------------------------------------------------------------------------
     def complete(self, prompt: str | list[int], sampling: SamplingParams | None = None, *,
-                 special_tokens: bool = False) -> TurnResult:
+                 special_tokens: bool = False, on_progress: ProgressCallback | None = None) -> TurnResult:
         """Continue raw text (or token ids) without the chat template, for base models and template-free
         prompts; return the continuation once generated."""
-        for _ in self.stream_raw(prompt, sampling, special_tokens=special_tokens):
+        for _ in self.stream_raw(prompt, sampling, special_tokens=special_tokens, on_progress=on_progress):
             pass
         return self.last_result
 
     def stream_raw(self, prompt: str | list[int], sampling: SamplingParams | None = None, *,
-                   special_tokens: bool = False) -> Iterator[str]:
+                   special_tokens: bool = False, on_progress: ProgressCallback | None = None) -> Iterator[str]:
         """Continue raw text (or token ids); yield the continuation as it is sampled.
 
         `prompt` is the whole text: the session's caches keep what they share with it (a longer prompt
@@ -106,7 +116,8 @@ class Session:
                else [int(i) for i in prompt])
         if not ids:
             raise InfemeralError("the prompt is empty: there is nothing to continue")
-        return self._stream([], sampling or SamplingParams(), render=lambda _: ids, is_whole_transcript=True)
+        return self._stream([], sampling or SamplingParams(), render=lambda _: ids, is_whole_transcript=True,
+                            on_progress=on_progress)
 
     # -- what a turn uses -----------------------------------------------------------------------
     def claim(self) -> None:

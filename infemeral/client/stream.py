@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
 
 import grpc
@@ -33,6 +34,7 @@ class TurnStream:
         self._requests: queue.Queue = queue.Queue()
         self._keepalive = KeepAlive(self._requests.put, client.server_info().turn_idle_seconds)
         self._responses = client.stub.Turn(iter(self._requests.get, None), timeout=client.timeout)
+        self._reading = threading.Lock()  # one reader at a time: gRPC refuses two at once on one call
 
     def send(self, request: pb.TurnRequest) -> None:
         self._keepalive.sent()
@@ -40,7 +42,8 @@ class TurnStream:
 
     def receive(self, expect: str):
         try:
-            response = next(self._responses)
+            with self._reading:
+                response = next(self._responses)
         except grpc.RpcError as e:
             raise status_error(e) from None
         except StopIteration:
@@ -60,11 +63,52 @@ class TurnStream:
         self._keepalive.stop()
         self._requests.put(None)
         try:
-            for _ in self._responses:
-                pass
-        except grpc.RpcError:
+            while True:
+                with self._reading:  # a `ReplyReader` may still be reading replies to steps sent before
+                    next(self._responses)
+        except (StopIteration, grpc.RpcError):
             pass
         self._responses.cancel()
+
+
+class ReplyReader:
+    """A stream's replies read on a thread as they come, each with the time it came: a caller that sends several
+    requests without waiting (a prompt's steps) takes each answer, and learns when it came, while it sends on.
+
+    Each `expect_one` reads one more reply; `stop` ends the thread once it has read what it was asked to. A
+    failed read ends it too: `get` raises that error, in order after the replies before it."""
+
+    def __init__(self, stream: TurnStream, expect: str):
+        self._stream, self._expect = stream, expect
+        self._wanted: queue.SimpleQueue = queue.SimpleQueue()
+        self._replies: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="infemeral-replies", daemon=True).start()
+
+    def expect_one(self) -> None:
+        self._wanted.put(True)
+
+    def stop(self) -> None:
+        self._wanted.put(False)
+
+    def get(self, block: bool = True):
+        """The next (reply, when it came: perf_counter seconds), waiting for it if `block`; else None if it has not
+        come yet."""
+        try:
+            reply, arrived, error = self._replies.get(block=block)
+        except queue.Empty:
+            return None
+        if error is not None:
+            raise error
+        return reply, arrived
+
+    def _run(self) -> None:
+        while self._wanted.get():
+            try:
+                reply = self._stream.receive(self._expect)
+            except BaseException as e:  # handed to the caller, whose turn it ends
+                self._replies.put((None, time.perf_counter(), e))
+                return
+            self._replies.put((reply, time.perf_counter(), None))
 
 
 def status_error(e: grpc.RpcError) -> StatusError:

@@ -37,6 +37,7 @@ from infemeral.client.result import TurnResult
 from infemeral.client.sampling import Sampler, SamplingParams
 from infemeral.client.stream import open_turn
 from infemeral.client.text import TextStream
+from infemeral.client.upload import ProgressCallback
 from infemeral.errors import Aborted
 from infemeral.protocol import pb
 from infemeral.speculation.acceptance import accept_drafts
@@ -50,11 +51,15 @@ class TurnLoop:
 
     `messages` is the session's transcript plus the new message; with `is_whole_transcript` it is a whole
     transcript given by the caller (the OpenAI endpoint), kept as it is even when a lost commit is settled
-    first. A raw turn has no messages: `render` gives its token ids, and it leaves the transcript empty."""
+    first. A raw turn has no messages: `render` gives its token ids, and it leaves the transcript empty.
+    `on_progress` is called with an `UploadProgress` as the pod answers each of the prompt's steps; an exception
+    it raises cancels the turn (nothing is committed)."""
 
     def __init__(self, session, messages: list[dict], params: SamplingParams,
-                 render: Callable[[list[dict]], list[int]] | None = None, *, is_whole_transcript: bool = False):
+                 render: Callable[[list[dict]], list[int]] | None = None, *, is_whole_transcript: bool = False,
+                 on_progress: ProgressCallback | None = None):
         self.session, self.client = session, session.client
+        self.on_progress = on_progress  # hears how far the prompt's upload has got
         self.messages, self.params = messages, params
         self.render = render or session.render
         self.is_whole_transcript = is_whole_transcript
@@ -123,17 +128,15 @@ class TurnLoop:
 
     # -- the phases --------------------------------------------------------------------------------
     def prefill(self) -> torch.Tensor:
-        """Send the prompt's new tokens; the logits [vocab] of the token after them. A draft head also gets the
-        features of the prompt's last positions (as many as it asks for, from the last step)."""
+        """Send the prompt's new tokens, in steps that go up without waiting for each other (`TurnLink.prefill`);
+        the logits [vocab] of the token after them. A draft head also gets the features of the prompt's last
+        positions (as many as it asks for, from the last step)."""
         self.started = time.perf_counter()
-        link, chunk, wanted = self.link, self.link.max_chunk, self.speculator.prompt_features
-        for i in range(0, len(self.new_prompt), chunk):
-            part = self.new_prompt[i:i + chunk]
-            outputs = max(min(wanted, len(part)), 1) if i + chunk >= len(self.new_prompt) else 1
-            logits = link.step(part, num_outputs=outputs, num_logits=1)
+        link = self.link
+        logits = link.prefill(self.new_prompt, self.speculator.prompt_features, self.on_progress)
         self.speculator.observed(link.ids, link.features)
         self.result.round_trips += 1  # the step whose output is the first token
-        return logits[-1]
+        return logits
 
     def generate(self) -> Iterator[str]:
         """Prefill, then decode until the answer ends; yields the answer's text as it becomes final."""

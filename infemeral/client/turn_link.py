@@ -4,22 +4,38 @@ Every step runs through both and both caches move together: the window
 evicts at the same step on each side (docs/design.md §5), and positions dropped
 here (rejected drafts, the tail of an answer) are dropped on the server by a
 `Truncate` sent in the same flight as the next message, so a rejection costs
-no extra round trip. Before the turn first drops or moves committed positions,
-the committed cache is copied: a turn that does not commit hands that copy
-back to its session.
+no extra round trip. A prompt's steps go up without waiting for each other's
+replies (`prefill`), so the pod works while the rest is on the wire. Before
+the turn first drops or moves committed positions, the committed cache is
+copied: a turn that does not commit hands that copy back to its session.
 """
 
 from __future__ import annotations
 
+from collections import deque
+from dataclasses import dataclass
+
 import torch
 
 from infemeral.client.pending import committed_copy
-from infemeral.client.stream import TurnStream
+from infemeral.client.stream import ReplyReader, TurnStream
+from infemeral.client.upload import MAX_IN_FLIGHT, ChunkSizer, ProgressCallback, UploadClock, free_tokens
 from infemeral.errors import Aborted
 from infemeral.kvcache.cache import KVCache
 from infemeral.kvcache.window import WindowPolicy, apply_window
 from infemeral.protocol import pb
 from infemeral.protocol.tensors import Wire, from_proto, to_proto
+
+
+@dataclass(frozen=True)
+class SentStep:
+    """A step on its way: its ids, and what its reply must say (the cache's length after it, the eviction before it)
+    and hold (`num_outputs` outputs)."""
+
+    ids: list[int]
+    cache_length: int
+    evict: int
+    num_outputs: int
 
 
 class TurnLink:
@@ -62,8 +78,49 @@ class TurnLink:
     def step(self, ids: list[int], num_outputs: int = 1, num_logits: int | None = None) -> torch.Tensor:
         """Run `ids` through both halves; the logits [num_logits, vocab] of the last positions (of all
         `num_outputs` outputs unless fewer are asked for). `features` keeps every output's feature."""
-        cache, model, window = self.cache, self.model, self.window
         drop = self._flush_drop()
+        before = self.cache.length
+        sent = self._send_step(ids, num_outputs)
+        if drop:
+            self._check_truncated(self.stream.receive("truncated"), before)
+        self._answered(sent, self.stream.receive("step"))
+        return self.model.project(self.features if num_logits is None else self.features[-num_logits:])
+
+    def prefill(self, ids: list[int], last_outputs: int = 1,
+                on_progress: ProgressCallback | None = None) -> torch.Tensor:
+        """Run a prompt through both halves, its steps sent without waiting for their replies (`upload`): the
+        pod prefills one step while the next is on the wire, and the laptop's layers run the next meanwhile.
+        The logits [vocab] of the last position; `features` keeps the last step's (`last_outputs` of them).
+        Every reply is checked as `step` checks it; `on_progress` hears of each (an exception it raises ends
+        the turn, which then commits nothing)."""
+        drop = self._flush_drop()  # none at a turn's start, where prompts go
+        if drop:
+            self._check_truncated(self.stream.receive("truncated"), self.cache.length)
+        per_token = self._bytes_per_token()
+        sizer = ChunkSizer(len(ids), free_tokens(self.cache.length, len(ids), self.window, self.max_chunk),
+                           self.max_chunk, per_token)
+        clock = UploadClock(len(ids), per_token)
+        replies = ReplyReader(self.stream, "step")
+        in_flight: deque[SentStep] = deque()
+        try:
+            start = 0
+            while start < len(ids):
+                self._take_replies(replies, in_flight, sizer, clock, on_progress,
+                                   wait=len(in_flight) >= MAX_IN_FLIGHT)
+                part = ids[start:start + sizer.next(start)]
+                start += len(part)
+                in_flight.append(self._send_step(part, max(min(last_outputs, len(part)), 1)
+                                                 if start == len(ids) else 1))
+                replies.expect_one()
+            while in_flight:
+                self._take_replies(replies, in_flight, sizer, clock, on_progress, wait=True)
+        finally:
+            replies.stop()
+        return self.model.project(self.features[-1:])[-1]
+
+    def _send_step(self, ids: list[int], num_outputs: int) -> SentStep:
+        """Slide the window if the step needs it, run the laptop's layers, send the step; what to expect back."""
+        cache, model, window = self.cache, self.model, self.window
         before = cache.length
         evict = window.tokens_to_evict(before, len(ids))
         if evict:
@@ -71,21 +128,46 @@ class TurnLink:
             apply_window(cache, window, len(ids), model.inv_freq)
             self.num_evicted += evict
         hidden = model.cloak(ids, cache)
-        self.stream.send(pb.TurnRequest(step=pb.Step(hidden=to_proto(hidden, self.wire.upload), cache_length=before,
+        self.stream.send(pb.TurnRequest(step=pb.Step(hidden=self._encode(hidden), cache_length=before,
                                                      evict=evict, outputs=num_outputs if num_outputs > 1 else 0,
                                                      answer_dtype=self.wire.answer)))
-        if drop:
-            self._check_truncated(self.stream.receive("truncated"), before)
-        out = self.stream.receive("step")
-        if out.cache_length != cache.length or out.evicted != evict:
+        return SentStep(list(ids), cache.length, evict, num_outputs)
+
+    def _encode(self, hidden: torch.Tensor) -> pb.Tensor:
+        return to_proto(hidden, self.wire.upload)
+
+    def _answered(self, sent: SentStep, out: pb.StepResult) -> None:
+        """Check the server's reply to `sent` and take its outputs: `features`, and the step's ids into `ids`."""
+        if out.cache_length != sent.cache_length or out.evicted != sent.evict:
             raise Aborted(f"server cache length {out.cache_length} (evicted {out.evicted}) != client's "
-                          f"{cache.length} (evicted {evict})")
-        residual = from_proto(out.hidden, model.hidden_size, num_outputs, "server residual")
-        if residual.shape[0] != num_outputs:
-            raise Aborted(f"server returned {residual.shape[0]} outputs for a step that asked for {num_outputs}")
-        self.ids += ids
-        self.features = model.features(residual)
-        return model.project(self.features if num_logits is None else self.features[-num_logits:])
+                          f"{sent.cache_length} (evicted {sent.evict})")
+        residual = from_proto(out.hidden, self.model.hidden_size, sent.num_outputs, "server residual")
+        if residual.shape[0] != sent.num_outputs:
+            raise Aborted(f"server returned {residual.shape[0]} outputs for a step that asked for {sent.num_outputs}")
+        self.ids += sent.ids
+        self.features = self.model.features(residual)
+
+    def _take_replies(self, replies: ReplyReader, in_flight: deque[SentStep], sizer: ChunkSizer, clock: UploadClock,
+                      on_progress, wait: bool) -> None:
+        """Take the replies that have come (with `wait`, at least one) to the oldest steps in flight."""
+        while in_flight:
+            reply = replies.get(block=wait)
+            if reply is None:
+                return
+            out, arrived = reply
+            sent = in_flight.popleft()
+            self._answered(sent, out)
+            progress = clock.answered(len(sent.ids))
+            sizer.measured(clock.tokens, arrived - clock.started)
+            if on_progress is not None:
+                on_progress(progress)
+            wait = False
+
+    def _bytes_per_token(self) -> int:
+        """What one token's hidden state takes on the wire, framing left out (every wire's size is linear in
+        the tokens: the difference between two rows and one)."""
+        rows = torch.zeros(2, self.model.hidden_size)
+        return self._encode(rows).ByteSize() - self._encode(rows[:1]).ByteSize()
 
     def truncate(self, tokens: int) -> None:
         """Drop the caches' last `tokens` positions on both sides now, waiting for the server (a rewind)."""

@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 STORE_ERRORS = store_errors()
 BUSY_POLL_SECONDS = 0.05
 RETRY_AFTER_KEY = "retry-after-ms"
+READ_AHEAD = 1  # a turn's messages read and waiting while an earlier one is answered
 _ACCOUNT_SALT = os.urandom(16)  # account names mean nothing outside this process, nor across restarts
 
 
@@ -138,8 +139,20 @@ class TurnCall:
             version=turn.version, cache_length=turn.cache.length,
             pending_committed=turn.version == o.expected_version + 1)))
         self.is_opened = True
+        inbox: asyncio.Queue = asyncio.Queue(maxsize=READ_AHEAD)
+        reader = asyncio.create_task(self._read_ahead(inbox))
+        try:
+            await self._serve_requests(inbox)
+        finally:
+            reader.cancel()
+
+    async def _serve_requests(self, inbox: asyncio.Queue) -> None:
+        """Answer the client's messages in the order they came; `inbox` holds those read ahead."""
+        turn = self.turn
         while True:
-            request = await self._receive()
+            request = await self._bounded(inbox.get(), idle=True)
+            if isinstance(request, BaseException):  # reading failed (the turn's time ran out)
+                raise request
             if request is None:  # the client ended the stream without a commit: nothing changes
                 return
             kind = request.WhichOneof("kind")
@@ -214,6 +227,22 @@ class TurnCall:
         return version, length
 
     # -- deadlines ----------------------------------------------------------------------------------
+    async def _read_ahead(self, inbox: asyncio.Queue) -> None:
+        """Read the client's messages into `inbox` while the turn answers earlier ones, so that a prompt's next
+        step comes in while the layers run this one (READ_AHEAD of them waiting, and one more being read). Ends
+        with None at the end of the stream, or with the error reading met, handed on in order."""
+        while True:
+            try:
+                request = await self._bounded(self.context.read())
+            except asyncio.CancelledError:
+                raise
+            except BaseException as e:
+                await inbox.put(e)
+                return
+            await inbox.put(None if request is grpc.aio.EOF else request)
+            if request is grpc.aio.EOF:
+                return
+
     async def _receive(self) -> pb.TurnRequest | None:
         """The client's next message (None once it ended the stream), within both deadlines."""
         request = await self._bounded(self.context.read(), idle=True)
