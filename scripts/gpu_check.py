@@ -78,7 +78,8 @@ def environment():
 
 # -- 1. kernels -----------------------------------------------------------------------------------
 def check_kernels() -> list[Check]:
-    from infemeral.layers.paged_attention import FlashInferBackend, torch_paged_attention
+    from infemeral.layers.attention_backends.flashinfer_backend import FlashInferBackend
+    from infemeral.layers.attention_backends.torch_backend import torch_paged_attention
 
     cases = {  # lengths, new tokens, heads, kv heads, window
         "decode, 3 q-heads per KV head (CUDA cores)": ([7, 100, 1000, 4000], [1] * 4, 9, 3, None),
@@ -174,7 +175,8 @@ def check_model(tmp: Path) -> list[Check]:
 def check_throughput(num_layers: int, sessions: list[int], context: int, steps: int) -> list[Check]:
     from infemeral.kvcache.paged import KVPages
     from infemeral.layers.stack import LayerStack
-    from infemeral.layers.paged_attention import FlashInferBackend, TorchBackend
+    from infemeral.layers.attention_backends.flashinfer_backend import FlashInferBackend
+    from infemeral.layers.attention_backends.torch_backend import TorchBackend
 
     dtype, page = torch.bfloat16, 16
     config = llama_config("llama-3-8b", num_layers)
@@ -345,7 +347,7 @@ def check_quantized_layers(num_layers: int, sessions: list[int], context: int, s
     the decode step against bf16 (same weights, same pages), with the PyTorch attention backend."""
     from infemeral.kvcache.paged import KVPages
     from infemeral.layers.stack import LayerStack
-    from infemeral.layers.paged_attention import TorchBackend
+    from infemeral.layers.attention_backends.torch_backend import TorchBackend
     from infemeral.quant import served
 
     dtype, page = torch.bfloat16, 16

@@ -652,7 +652,8 @@ def host_batch(csr) -> types.SimpleNamespace:
 
 
 def attention_backends(stage: Stage, heads: tuple[int, int, int], dtype: torch.dtype) -> dict:
-    from infemeral.layers.paged_attention import FlashInferBackend, TorchBackend
+    from infemeral.layers.attention_backends.flashinfer_backend import FlashInferBackend
+    from infemeral.layers.attention_backends.torch_backend import TorchBackend
 
     backends = {"torch": TorchBackend()}
     if stage.flashinfer() is not None:
@@ -671,7 +672,7 @@ def compile_flashinfer(stage: Stage) -> None:
     window) compiled at once, one thread each, each timing its first call: nvcc runs at first use, and the
     threads overlap the compiles. ninja's jobs per module are cut so that all of them share the cores (each nvcc
     of these templates takes GBs of memory)."""
-    from infemeral.layers.paged_attention import FlashInferBackend
+    from infemeral.layers.attention_backends.flashinfer_backend import FlashInferBackend
 
     jobs = [(label, heads, kind, window) for label, heads in head_sets(stage.plan).items()
             for kind in ("decode", "prefill") for window in (None, 32)]
@@ -723,7 +724,7 @@ def place(q, k, v, csr, seq_q, seq_k, seq_v) -> None:
 def stage_attention(stage: Stage) -> None:
     """FlashInfer against the PyTorch backend (float32 reference on the same pages, NaN in every unused slot),
     first-call (compile) times, and whether one sequence's output depends on the batch it shares."""
-    from infemeral.layers.paged_attention import torch_paged_attention
+    from infemeral.layers.attention_backends.torch_backend import torch_paged_attention
 
     plan, device, dtype = stage.plan, stage.device, stage.dtype
     if stage.flashinfer() is not None:
@@ -798,7 +799,8 @@ def stage_self_check(stage: Stage) -> None:
     """The server's start-up self-checks, run here: attention for each backend and dtype, and one served layer
     of a plain, an int8 and an int4 bundle (round-to-nearest) of each shape."""
     from infemeral.cloak.bundle import ServerBundle
-    from infemeral.layers.paged_attention import FlashInferBackend, TorchBackend
+    from infemeral.layers.attention_backends.flashinfer_backend import FlashInferBackend
+    from infemeral.layers.attention_backends.torch_backend import TorchBackend
     from infemeral.quant import served
     from infemeral.server import self_check
 
@@ -1066,7 +1068,7 @@ def stage_memory(stage: Stage) -> None:
     from infemeral.eval.server_quant import kv_bytes_per_token, served_bytes
     from infemeral.kvcache.paged import KVPages, PagedBatch, PagedSequence, PagePool
     from infemeral.layers.stack import LayerStack
-    from infemeral.layers.paged_attention import select_backend
+    from infemeral.layers.attention_backends.selector import select_backend
     from infemeral.quant.served import weight_bytes
 
     plan, device, dtype = stage.plan, stage.device, stage.dtype

@@ -12,10 +12,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from infemeral.kvcache.paged import KVPages, PagedBatch, PagedSequence, PagePool, PoolExhausted
-from infemeral.layers import paged_attention
 from infemeral.layers.attention import attend
-from infemeral.layers.paged_attention import (IN_PLACE_MIN_TOKENS, BatchShape, FlashInferBackend, TorchBackend,
-                                             TorchPlan, select_backend, torch_paged_attention)
+from infemeral.layers.attention_backends import flashinfer_backend
+from infemeral.layers.attention_backends.batch_shape import BatchShape
+from infemeral.layers.attention_backends.flashinfer_backend import FlashInferBackend
+from infemeral.layers.attention_backends.selector import select_backend
+from infemeral.layers.attention_backends.torch_backend import (IN_PLACE_MIN_TOKENS, TorchBackend, TorchPlan,
+                                                               torch_paged_attention)
 
 PAGE, KVH, H, D = 16, 2, 6, 8
 
@@ -358,14 +361,14 @@ def fake_flashinfer(monkeypatch):
     """`import flashinfer` finds a fake, and its workspace is made on the CPU."""
     fake = FakeFlashInfer()
     monkeypatch.setitem(sys.modules, "flashinfer", fake)
-    monkeypatch.setattr(paged_attention, "zeroed_workspace", lambda nbytes, device: torch.zeros(1, dtype=torch.uint8),
+    monkeypatch.setattr(flashinfer_backend, "zeroed_workspace", lambda nbytes, device: torch.zeros(1, dtype=torch.uint8),
                         raising=False)
     return fake
 
 
 def test_float32_on_cuda_takes_the_pytorch_backend_and_says_why(fake_flashinfer, caplog):
     """FlashInfer has no float32 kernels: auto does not hand it a float32 model, an explicit request is refused."""
-    with caplog.at_level(logging.INFO, logger="infemeral.layers.paged_attention"):
+    with caplog.at_level(logging.INFO, logger="infemeral.layers.attention_backends.selector"):
         assert select_backend("auto", CUDA, H, KVH, D, PAGE, torch.float32).name == "torch"
     assert [r.getMessage() for r in caplog.records] == ["FlashInfer has no float32 kernels; using the PyTorch "
                                                         "paged attention"]
@@ -401,7 +404,7 @@ class BrokenImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 def test_flashinfer_failing_to_import_falls_back_or_is_refused_with_the_cause(monkeypatch, caplog, error, level, hint):
     monkeypatch.delitem(sys.modules, "flashinfer", raising=False)
     monkeypatch.setattr(sys, "meta_path", [BrokenImport(error), *sys.meta_path])
-    with caplog.at_level(logging.INFO, logger="infemeral.layers.paged_attention"):
+    with caplog.at_level(logging.INFO, logger="infemeral.layers.attention_backends.selector"):
         assert select_backend("auto", CUDA, H, KVH, D, PAGE, torch.bfloat16).name == "torch"
     (record,) = caplog.records
     assert record.levelno == level and "using the PyTorch paged attention" in record.getMessage()

@@ -12,7 +12,7 @@ from transformers import LlamaConfig, MistralConfig, Qwen2Config
 from infemeral.cloak.bundle import ServerBundle
 from infemeral.cloak.prepare import prepare
 from infemeral.cloak.sources import ModelSource
-from infemeral.layers.paged_attention import TorchBackend
+from infemeral.layers.attention_backends.torch_backend import TorchBackend
 from infemeral.quant import int4, int8, served
 from infemeral.server import self_check
 from infemeral.server.layer_runner import served_window

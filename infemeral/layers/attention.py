@@ -6,7 +6,7 @@ then call this function with the full keys/values the cache returned. Queries
 are the *last* n positions of the cache, so causality is offset by T - n
 (torch's `is_causal` would align top-left, which is wrong with a cache).
 On the server, `paged` carries a batch of sessions whose keys/values live in
-the page pool (see paged_attention.py). Layers with a native sliding window (Mistral v0.1, Qwen2/3 sliding layers) pass
+the page pool (see attention_backends/). Layers with a native sliding window (Mistral v0.1, Qwen2/3 sliding layers) pass
 `sliding_window`; a query then sees only the last `sliding_window` keys up to
 itself, as transformers' own sliding-window mask does.
 """

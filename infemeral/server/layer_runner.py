@@ -22,7 +22,7 @@ from infemeral.cloak.bundle import ServerBundle
 from infemeral.kvcache.paged import KVPages, PagedBatch, PagedSequence, PagePool
 from infemeral.kvcache.window import rope_shift_frequencies
 from infemeral.layers.stack import head_dim
-from infemeral.layers.paged_attention import select_backend
+from infemeral.layers.attention_backends.selector import select_backend
 from infemeral.layers.plain_decoder import layer_window
 from infemeral.quant.served import ServerQuant, kernels_in_use, load_stack
 from infemeral.server import self_check

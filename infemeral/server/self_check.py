@@ -28,7 +28,7 @@ import torch
 
 from infemeral.errors import InfemeralError
 from infemeral.layers.stack import LayerStack
-from infemeral.layers.paged_attention import TorchBackend, torch_paged_attention
+from infemeral.layers.attention_backends.torch_backend import TorchBackend, torch_paged_attention
 from infemeral.quant import served
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ import time
 import torch
 
 from infemeral.errors import InfemeralError, StatusError
-from infemeral.layers.paged_attention import MAX_PADDED_QUERY
+from infemeral.layers.attention_backends.torch_backend import MAX_PADDED_QUERY
 from infemeral.server.engine import Engine
 from infemeral.server.sessions import SESSION_ID_BYTES, SESSION_KEY_BYTES
 
