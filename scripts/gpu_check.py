@@ -309,7 +309,9 @@ def check_quantized_model(tmp: Path) -> list[Check]:
     from infemeral.cloak.bundle import ServerBundle
     from infemeral.cloak.prepare import prepare
     from infemeral.cloak.sources import ModelSource, default_gguf_path
-    from infemeral.eval import server_quant as sq
+    from infemeral.eval.metrics import DEFAULT_TEXT, perplexity
+    from infemeral.eval.server_quant import TEXT_TOKENS
+    from infemeral.eval.systems import BundleSplit, PlainReference
     from infemeral.quant import served
     from infemeral.server import self_check
 
@@ -317,8 +319,8 @@ def check_quantized_model(tmp: Path) -> list[Check]:
     with contextlib.redirect_stderr(io.StringIO()):
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    ids = tokenizer(sq.DEFAULT_TEXT.read_text(), add_special_tokens=False)["input_ids"][:sq.TEXT_TOKENS]
-    reference = sq.perplexity(sq.PlainReference(model), ids)
+    ids = tokenizer(DEFAULT_TEXT.read_text(), add_special_tokens=False)["input_ids"][:TEXT_TOKENS]
+    reference = perplexity(PlainReference(model), ids)
     checks = []
     for mode, kwargs in QUANT_MODES.items():
         say(f"     preparing the default model's {mode} bundles on the CPU (gptq calibrates: a minute or two)")
@@ -331,8 +333,8 @@ def check_quantized_model(tmp: Path) -> list[Check]:
         checks.append(Check(f"quantised: {mode} layer on CUDA vs float32 on the CPU", failure is None,
                             f"{failure or 'matches'}; kernels: {kernels}"))
         say(("PASS " if checks[-1].passed else "FAIL ") + checks[-1].name + ": " + checks[-1].detail)
-        on_cpu = sq.perplexity(sq.BundleSplit(bundles.client_dir, bundles.server_dir), ids)
-        on_gpu = sq.perplexity(sq.BundleSplit(bundles.client_dir, bundles.server_dir, torch.bfloat16, "cuda"), ids)
+        on_cpu = perplexity(BundleSplit(bundles.client_dir, bundles.server_dir), ids)
+        on_gpu = perplexity(BundleSplit(bundles.client_dir, bundles.server_dir, torch.bfloat16, "cuda"), ids)
         ok = on_gpu <= QUANT_PERPLEXITY_TOLERANCE * on_cpu
         checks.append(Check(f"quantised: {mode} perplexity on CUDA in bf16", ok,
                             f"{on_gpu:.3f} on CUDA (bf16), {on_cpu:.3f} on the CPU (float32), {reference:.3f} "

@@ -949,10 +949,11 @@ def stage_exactness(stage: Stage) -> None:
             row = {}
             for mode, logits in (("solo", solo), ("batched", batched)):
                 a = compare(f"{backend} {mode}", reference, logits)
-                row[mode] = {"top-1": a.top1, "positions": a.num_positions, "first divergence": a.first_divergence,
+                row[mode] = {"top-1": a.agreement.top1_rate, "positions": a.agreement.positions,
+                             "first divergence": a.agreement.first_divergence,
                              "max logit error": a.max_logit_error, "mean logit error": a.mean_logit_error,
                              "median top-2 gap (fp32)": a.median_top2_gap}
-                top1.append((a.top1, f"{backend} {mode}", a.max_logit_error))
+                top1.append((a.agreement.top1_rate, f"{backend} {mode}", a.max_logit_error))
             row["batched vs solo max logit diff"] = max(float((b - s).abs().max()) for b, s in zip(batched, solo))
             row["largest batch the engine ran"] = largest_batch
             results[backend] = row
@@ -1065,7 +1066,7 @@ def stage_memory(stage: Stage) -> None:
     """The 8B shape's served layers and KV pages measured in memory against what the README's what-fits table
     assumes; on a GPU, the pool of as many 8,192-token sessions as the table says fit beside the weights, and
     one decode step of all of them."""
-    from infemeral.eval.server_quant import kv_bytes_per_token, served_bytes
+    from studies.server_quant import kv_bytes_per_token, served_bytes
     from infemeral.kvcache.paged import KVPages, PagedBatch, PagedSequence, PagePool
     from infemeral.layers.stack import LayerStack
     from infemeral.layers.attention_backends.selector import select_backend

@@ -22,6 +22,7 @@ from infemeral.cloak.prepare import prepare
 from infemeral.cloak.sources import ModelSource
 from infemeral.errors import FailedPrecondition, InfemeralError
 from infemeral.eval import client_precision
+from infemeral.eval.metrics import chat_ids
 from infemeral.layers.stack import LayerStack
 from infemeral.quant.int8 import Int8Linear, dequantize_rows, has_int8_kernel, int8_matmul, quantize_rows
 from test_tiny_models import CONFIGS, PROMPT_LEN, build, split_logits, token_ids
@@ -254,10 +255,10 @@ def default_split(bundles):
     bundle = ClientBundle.open(bundles.client_dir)
     reference = ClientModel(bundle)
     tokenizer = bundle.tokenizer()
-    prompts = [client_precision.chat_prompt_ids(tokenizer, p) for p in client_precision.PROMPTS]
+    prompts = [chat_ids(tokenizer, p) for p in client_precision.PROMPTS]
     sequences = client_precision.greedy_continuations(reference, server, prompts, 128, {tokenizer.eos_token_id},
                                                       min_total=512)
-    ref_logits = [client_precision.teacher_forced_logits(reference, server, s) for s in sequences]
+    ref_logits = [client_precision.client_logits(reference, server, s) for s in sequences]
     return bundle, server, sequences, ref_logits
 
 
@@ -270,8 +271,8 @@ def test_reduced_clients_agree_with_float32_on_the_default_model(default_split):
     for label, kw in client_precision.MODES.items():
         client = ClientModel(bundle, **kw)
         result = client_precision.compare(label, ref_logits,
-                                          [client_precision.teacher_forced_logits(client, server, s) for s in sequences])
-        assert result.top1 >= TOP1_AT_LEAST[label], result
+                                          [client_precision.client_logits(client, server, s) for s in sequences])
+        assert result.agreement.top1_rate >= TOP1_AT_LEAST[label], result
         assert result.max_logit_error <= MAX_LOGIT_ERROR_AT_MOST[label], result
         assert result.max_logit_error > 0  # really a reduced client
 
@@ -286,8 +287,8 @@ def test_agreement_collapses_when_int8_scales_are_broken(default_split):
     client.head.scales = client.head.scales[perm]
     client.head.kernel_scales = client.head.kernel_scales[perm]
     result = client_precision.compare("int8, shuffled scales", ref_logits,
-                                      [client_precision.teacher_forced_logits(client, server, s) for s in sequences])
-    assert result.top1 < TOP1_AT_LEAST["int8"]
+                                      [client_precision.client_logits(client, server, s) for s in sequences])
+    assert result.agreement.top1_rate < TOP1_AT_LEAST["int8"]
 
 
 # -- the SDK end to end ---------------------------------------------------------------------------------
@@ -310,9 +311,9 @@ def test_sdk_chats_with_a_reduced_client(server, bundles, default_split, mode):
         result = c.generate(NEAR_TIE_QUESTION, SamplingParams(max_new_tokens=8))
     assert result.generated_tokens == len(result.token_ids) > 0
     bundle, server_half, _, _ = default_split
-    prompt = client_precision.chat_prompt_ids(bundle.tokenizer(), NEAR_TIE_QUESTION)
+    prompt = chat_ids(bundle.tokenizer(), NEAR_TIE_QUESTION)
     assert len(prompt) == result.prompt_tokens
-    logits = client_precision.teacher_forced_logits(ClientModel(bundle), server_half,
+    logits = client_precision.client_logits(ClientModel(bundle), server_half,
                                                     client_precision.Sequence(prompt, result.token_ids))
     gaps = logits.max(-1).values - logits.gather(1, torch.tensor(result.token_ids)[:, None])[:, 0]
     assert gaps.max() <= FP32_GAP_AT_MOST, gaps  # a broken half picks tokens float32 puts far below its best

@@ -302,7 +302,7 @@ def character_tokenizer():
 def test_quantized_prepare_records_the_agreement_a_bundle_split_measures(tmp_path):
     """What prepare records is what the written bundles give on the held text: the float model's top-1 against the
     client bundle and the quantised server bundle through their kernels, teacher-forced."""
-    from infemeral.eval.server_quant import BundleSplit
+    from infemeral.eval.systems import BundleSplit
     from infemeral.quant.calibration import held_ids
 
     model, tokenizer = tiny_model(), character_tokenizer()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from infemeral.eval import metrics
 from infemeral.eval import server_quant as sq
 
 VOCAB = 11
@@ -47,13 +48,13 @@ def test_the_bundle_measure_shows_its_phases_on_stderr(capsys):
 def test_each_phase_advances_the_bar_by_the_tokens_it_did():
     done = []
     ids = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
-    sq.perplexity(CountingSystem(0), ids, chunk=4, advance=done.append)
+    metrics.perplexity(CountingSystem(0), ids, chunk=4, advance=done.append)
     assert done == [4, 4, 1]
     done.clear()
-    sequences = sq.greedy_sequences(CountingSystem(0), [[1, 2], [3]], 12, stop=set(), advance=done.append)
+    sequences = metrics.greedy_sequences(CountingSystem(0), [[1, 2], [3]], 12, stop=set(), advance=done.append)
     assert sum(done) == sum(len(c) for _, c in sequences) >= 12
     done.clear()
-    agreed = sq.agreement(CountingSystem(1), sequences, advance=done.append)
+    agreed = metrics.agreement(CountingSystem(1), sequences, advance=done.append)
     assert done == [len(c) for _, c in sequences] and sum(done) == agreed.positions
 
 

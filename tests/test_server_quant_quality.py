@@ -1,18 +1,24 @@
 """Quantised served layers of the default model against float32 in perplexity, at the issue's thresholds.
 
 Float32 arithmetic on the quantised-then-dequantised weights (the `methods` measurement of
-infemeral/eval/server_quant.py), on held text that calibration never sees; that the kernels compute
+scripts/studies/server_quant.py), on held text that calibration never sees; that the kernels compute
 exactly the dequantised weights is tested in test_server_quant.py. The full measurement (two texts,
 greedy agreement, the real bundles) is the benchmark section `server_quant`.
 """
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
-from infemeral.eval import server_quant as sq
+from infemeral.eval.metrics import DEFAULT_TEXT, perplexity
 from infemeral.quant import served
 from infemeral.quant.calibration import calibration_ids
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+from studies import server_quant as sq  # noqa: E402
 
 TOKENS = 512
 # GPTQ calibrates on the first CALIBRATION_TOKENS of the chat text (prepare's `calibration_tokens`) rather than all
@@ -25,14 +31,14 @@ CALIBRATION_TOKENS = 6144
 def held(reference):
     model, tokenizer = reference
     ref = sq.Reference.from_transformers(model, tokenizer)
-    ids = tokenizer(sq.DEFAULT_TEXT.read_text(), add_special_tokens=False)["input_ids"][:TOKENS]
-    base = sq.perplexity(sq.FloatSplit(ref, "rotated", sq.quantize_row(ref, "rotated", None)), ids)
+    ids = tokenizer(DEFAULT_TEXT.read_text(), add_special_tokens=False)["input_ids"][:TOKENS]
+    base = perplexity(sq.FloatSplit(ref, "rotated", sq.quantize_row(ref, "rotated", None)), ids)
     return ref, ids, base
 
 
 def perplexity_ratio(held, row: str, mode: sq.Mode) -> float:
     ref, ids, base = held
-    return sq.perplexity(sq.FloatSplit(ref, row, sq.quantize_row(ref, row, mode)), ids) / base
+    return perplexity(sq.FloatSplit(ref, row, sq.quantize_row(ref, row, mode)), ids) / base
 
 
 def test_int8_served_layers_stay_within_one_percent_of_float32(held):

@@ -1,6 +1,6 @@
 """Perplexity under the KV window reproduces StreamingLLM in kind (see docs/window_perplexity.md).
 
-On the first 448 tokens of the shipped public-domain text (tests/data/), with a
+On the first 448 tokens of the shipped public-domain text (infemeral/eval/data/), with a
 128-token window, 4 sinks and 16-token pages (the window slides 20 times), the
 measured perplexities are dense 15.25, sinks + window 16.77 (x1.10), window
 without sinks 43.46 (x2.85), sinks + window without re-rotation 66.59 (x4.37).

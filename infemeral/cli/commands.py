@@ -295,8 +295,8 @@ def evaluate(args) -> int:
     settings = settings_from_args(ClientSettings, args)
     client_dir = Path(settings.client_bundle).expanduser()
     server_dir = args.server_bundle or ClientBundle.open(client_dir).directory.parent / "server"
-    report = server_quant.run_bundle(args.model, client_dir, server_dir, args.text or server_quant.DEFAULT_TEXT,
-                                     args.tokens, args.positions, args.dtype, progress=not args.quiet)
+    report = server_quant.run_bundle(args.model, client_dir, server_dir, args.text, args.tokens, args.positions,
+                                     args.dtype, progress=not args.quiet)
     print(report.describe())
     return 0
 

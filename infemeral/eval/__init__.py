@@ -1,1 +1,2 @@
-"""Offline evaluations of the plain (unsplit) model, e.g. perplexity under the sliding window."""
+"""Evaluations run on this machine: the metrics every system is held to, the systems compared, and what the
+`eval` command measures."""

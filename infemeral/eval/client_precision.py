@@ -34,10 +34,14 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from infemeral.client_half.half import ClientModel
+from infemeral.eval.metrics import chat_ids, teacher_forced_logits
+from infemeral.eval.systems import Split
+from infemeral.quant.agreement import Agreement
 
 MODES = {"bfloat16": dict(dtype="bfloat16"), "float16": dict(dtype="float16"), "int8": dict(quant="int8")}
 PROMPTS = (
@@ -53,19 +57,17 @@ PROMPTS = (
 MARKER = "<!-- agreement {} {} -->"  # start/end, model: regenerated blocks in the markdown file
 
 
-@dataclass
-class Sequence:
+class Sequence(NamedTuple):
     prompt: list[int]
     continuation: list[int]
 
 
 @dataclass
-class ClientAgreement:
+class ClientComparison:
+    """One reduced client against the float32 one: top-1 agreement, and how far its logits move."""
+
     label: str
-    num_positions: int
-    top1: float
-    first_divergence: int | None  # earliest over all sequences; None: no divergence at all
-    divergences: list[int | None]  # per sequence
+    agreement: Agreement
     max_logit_error: float
     mean_logit_error: float
     median_top2_gap: float  # of the float32 reference: how near-tied its choices are
@@ -85,13 +87,11 @@ class IdentityServer:
 def greedy_continuations(client: ClientModel, server, prompts: list[list[int]], num_new: int,
                          stop_ids: Iterable[int] = (), min_total: int = 0) -> list[Sequence]:
     """Greedy continuations through client -> server -> client, token by token, until `min_total` positions."""
-    stop, out, total = set(stop_ids), [], 0
+    stop, out, total, split = set(stop_ids), [], 0, Split(client, server)
     for prompt in prompts:
-        client_cache, server_cache = client.new_cache(), server.new_cache()
-        ids, generated = list(prompt), []
+        cache, ids, generated = split.new_cache(), list(prompt), []
         while len(generated) < num_new:
-            logits = client.logits(server(client.cloak(ids, client_cache), server_cache))[-1]
-            token = int(logits.argmax())
+            token = int(split.logits(ids, cache)[-1].argmax())
             if token in stop:
                 break
             generated.append(token)
@@ -103,44 +103,33 @@ def greedy_continuations(client: ClientModel, server, prompts: list[list[int]], 
     return out
 
 
-@torch.inference_mode()
-def teacher_forced_logits(client: ClientModel, server, seq: Sequence, chunk: int = 128) -> torch.Tensor:
-    """Logits [len(continuation), vocab] predicting each continuation token from the tokens before it."""
-    ids = seq.prompt + seq.continuation[:-1]
-    client_cache, server_cache = client.new_cache(), server.new_cache()
-    rows = []
-    for start in range(0, len(ids), chunk):
-        rows.append(client.logits(server(client.cloak(ids[start:start + chunk], client_cache), server_cache)))
-    return torch.cat(rows)[len(seq.prompt) - 1:]
+def client_logits(client: ClientModel, server, seq: Sequence, chunk: int = 128) -> torch.Tensor:
+    """Logits [len(continuation), vocab] of the split through `client` predicting each continuation token."""
+    return teacher_forced_logits(Split(client, server), seq.prompt, seq.continuation, chunk)
 
 
-def compare(label: str, reference: list[torch.Tensor], candidate: list[torch.Tensor]) -> ClientAgreement:
-    matches, divergences, errors, gaps = [], [], [], []
+def compare(label: str, reference: list[torch.Tensor], candidate: list[torch.Tensor]) -> ClientComparison:
+    matches, errors, gaps = [], [], []
     max_error = 0.0
     for ref, got in zip(reference, candidate, strict=True):
-        same = ref.argmax(-1) == got.argmax(-1)
-        matches.append(same)
-        differ = (~same).nonzero()
-        divergences.append(int(differ[0]) if len(differ) else None)
+        matches.append(ref.argmax(-1) == got.argmax(-1))
         error = (got - ref).abs()
         max_error = max(max_error, float(error.max()))
         errors.append(error.mean(-1))
         top2 = ref.topk(2, dim=-1).values
         gaps.append(top2[:, 0] - top2[:, 1])
-    matches_all = torch.cat(matches)
-    seen = [d for d in divergences if d is not None]
-    return ClientAgreement(label, len(matches_all), float(matches_all.float().mean()), min(seen) if seen else None,
-                     divergences, max_error, float(torch.cat(errors).mean()), float(torch.cat(gaps).median()))
+    return ClientComparison(label, Agreement.from_matches(matches), max_error, float(torch.cat(errors).mean()),
+                            float(torch.cat(gaps).median()))
 
 
 def measure(reference: ClientModel, candidates: dict[str, Callable[[], ClientModel]], server,
-            sequences: list[Sequence]) -> list[ClientAgreement]:
+            sequences: list[Sequence]) -> list[ClientComparison]:
     """Agreement of each candidate (built one at a time, then dropped) with the float32 reference."""
-    ref_logits = [teacher_forced_logits(reference, server, s) for s in sequences]
+    ref_logits = [client_logits(reference, server, s) for s in sequences]
     results = []
     for label, build in candidates.items():
         client = build()
-        results.append(compare(label, ref_logits, [teacher_forced_logits(client, server, s) for s in sequences]))
+        results.append(compare(label, ref_logits, [client_logits(client, server, s) for s in sequences]))
         del client
     return results
 
@@ -161,17 +150,12 @@ def default_model_setup(num_positions: int, work: Path):
                         [server_bundle.layer_weights(i) for i in range(first, first + server_bundle.num_layers)])
     reference = ClientModel(bundle, dtype="float32", device="cpu")
     tokenizer = bundle.tokenizer()
-    prompts = [chat_prompt_ids(tokenizer, p) for p in PROMPTS]
+    prompts = [chat_ids(tokenizer, p) for p in PROMPTS]
     stop = {tokenizer.eos_token_id, *_eos_ids(bundle)}
     per_prompt = -(-num_positions // 4)
     sequences = greedy_continuations(reference, server, prompts, per_prompt, stop, min_total=num_positions)
     candidates = {label: (lambda kw=kw: ClientModel(bundle, device="cpu", **kw)) for label, kw in MODES.items()}
     return reference, candidates, server, sequences
-
-
-def chat_prompt_ids(tokenizer, text: str) -> list[int]:
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
-    return list(ids if isinstance(ids, list) else ids["input_ids"])
 
 
 def _eos_ids(bundle) -> set[int]:
@@ -225,12 +209,13 @@ def random_model_setup(num_positions: int, shape: dict = RANDOM_8B, seed: int = 
 
 # -- report ---------------------------------------------------------------------------------------------
 
-def table(results: list[ClientAgreement]) -> str:
+def table(results: list[ClientComparison]) -> str:
     lines = ["| client | positions | top-1 agreement | first divergence | max logit error | mean logit error | "
              "median top-2 gap (fp32) |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in results:
-        first = "none" if r.first_divergence is None else str(r.first_divergence)
-        lines.append(f"| {r.label} | {r.num_positions} | {r.top1:.4f} | {first} | {r.max_logit_error:.3f} | "
+        a = r.agreement
+        first = "none" if a.first_divergence is None else str(a.first_divergence)
+        lines.append(f"| {r.label} | {a.positions} | {a.top1_rate:.4f} | {first} | {r.max_logit_error:.3f} | "
                      f"{r.mean_logit_error:.4f} | {r.median_top2_gap:.3f} |")
     return "\n".join(lines)
 

@@ -29,12 +29,13 @@ from pathlib import Path
 import torch
 from transformers import PretrainedConfig
 
+from infemeral.eval.metrics import DEFAULT_TEXT, perplexity
+from infemeral.eval.systems import load_model
 from infemeral.kvcache.window import WindowPolicy, apply_window, rope_shift_frequencies
 from infemeral.layers import architecture
 from infemeral.layers.stack import LayerStack
 
 REPO = Path(__file__).resolve().parents[2]
-DEFAULT_TEXT = REPO / "tests" / "data" / "kjv_genesis_37-40.txt"
 DEFAULT_DOC = REPO / "docs" / "window_perplexity.md"
 TABLE_START = "<!-- perplexity-table:start -->"
 TABLE_END = "<!-- perplexity-table:end -->"
@@ -84,11 +85,31 @@ class PlainModel:
         return rope_shift_frequencies(self.layers.rotary, self.config, max_context)
 
     @torch.inference_mode()
-    def step(self, ids: torch.Tensor, cache) -> torch.Tensor:
-        """Append tokens `ids` [n] to `cache`; log-probabilities of the next token at each: [n, vocab]."""
+    def logits(self, ids: torch.Tensor, cache) -> torch.Tensor:
+        """Append tokens `ids` [n] to `cache`; logits of the next token at each: [n, vocab], float32."""
         hidden = self.layers(self.embed[ids], cache)
-        logits = self.norm(hidden.unsqueeze(0))[0] @ self.lm_head.T
-        return torch.log_softmax(logits.float(), dim=-1)
+        return (self.norm(hidden.unsqueeze(0))[0] @ self.lm_head.T).float()
+
+    def step(self, ids: torch.Tensor, cache) -> torch.Tensor:
+        """As `logits`, as log-probabilities."""
+        return torch.log_softmax(self.logits(ids, cache), dim=-1)
+
+
+class Windowed:
+    """`model` as an evaluation system (`infemeral.eval.metrics`) whose cache keeps `policy`'s window: the window
+    is applied before every part fed, as the client and the server apply it before every step."""
+
+    def __init__(self, model: PlainModel, policy: WindowPolicy, capacity: int):
+        self.model, self.policy, self.capacity = model, policy, capacity
+        self.inv_freq = model.inv_freq(policy.max_context)
+        self.evictions = 0  # parts that evicted
+
+    def new_cache(self):
+        return self.model.layers.new_cache(capacity=self.capacity)
+
+    def logits(self, ids: list[int], cache) -> torch.Tensor:
+        self.evictions += bool(apply_window(cache, self.policy, len(ids), self.inv_freq))
+        return self.model.logits(torch.tensor(ids, dtype=torch.long), cache)
 
 
 @dataclass
@@ -106,8 +127,8 @@ class Result:
 
 
 @torch.inference_mode()
-def perplexity(model: PlainModel, ids: list[int] | torch.Tensor, policy: WindowPolicy, prefill: int = 16,
-               dense_chunk: int = 512, mode: str = "") -> Result:
+def score_window(model: PlainModel, ids: list[int] | torch.Tensor, policy: WindowPolicy, prefill: int = 16,
+                 dense_chunk: int = 512, mode: str = "") -> Result:
     """Score every token after the first: NLL of ids[t + 1] given ids[: t + 1] as the window keeps them.
 
     The first `prefill` tokens (at most what fits without evicting) go in one step, then one token per step,
@@ -120,21 +141,11 @@ def perplexity(model: PlainModel, ids: list[int] | torch.Tensor, policy: WindowP
         raise ValueError("need at least two tokens")
     if not policy.enabled and policy.max_context < n:
         raise ValueError(f"dense attention needs max_context >= {n} tokens, got {policy.max_context}")
-    inv_freq = model.inv_freq(policy.max_context)
-    cache = model.layers.new_cache(capacity=min(n, policy.max_context) + 1)
+    system = Windowed(model, policy, capacity=min(n, policy.max_context) + 1)
     first = max(1, min(prefill, policy.max_context - 1 if policy.enabled else n))
-    step = 1 if policy.enabled else max(1, dense_chunk)
-    total, evictions, start = 0.0, 0, time.perf_counter()
-    pos = 0
-    while pos < n - 1:
-        size = first if pos == 0 else min(step, n - 1 - pos)
-        size = min(size, n - 1 - pos)
-        evictions += bool(apply_window(cache, policy, size, inv_freq))
-        logp = model.step(ids[pos:pos + size], cache)
-        targets = ids[pos + 1:pos + size + 1]
-        total -= logp.gather(1, targets.unsqueeze(1)).sum().item()
-        pos += size
-    return Result(mode, policy, n - 1, total / (n - 1), evictions, time.perf_counter() - start)
+    start = time.perf_counter()
+    ppl = perplexity(system, ids.tolist(), chunk=1 if policy.enabled else max(1, dense_chunk), first=first)
+    return Result(mode, policy, n - 1, math.log(ppl), system.evictions, time.perf_counter() - start)
 
 
 def compare(model: PlainModel, ids: list[int] | torch.Tensor, window: int, sink_tokens: int = 4,
@@ -145,7 +156,7 @@ def compare(model: PlainModel, ids: list[int] | torch.Tensor, window: int, sink_
     chosen = policies(window, sink_tokens, page_size, length=ids.shape[0])
     results = {}
     for mode in modes:
-        results[mode] = perplexity(model, ids, chosen[mode], prefill=prefill, mode=mode)
+        results[mode] = score_window(model, ids, chosen[mode], prefill=prefill, mode=mode)
         if progress:
             progress(results[mode])
     return results
@@ -181,29 +192,6 @@ def write_table(path: Path, table: str, settings: str) -> None:
         text = (text.rstrip() + "\n\n" if text else "# Sliding-window perplexity\n\n") + block + "\n"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
-
-
-def load_model(spec: str | None):
-    """The packaged SmolLM2 (default), a .gguf file, or a local checkpoint directory / Hub id; fp32."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    if spec is None:
-        from infemeral.cloak.sources import default_gguf_path
-
-        path = default_gguf_path()
-    else:
-        path = Path(spec)
-    if path.suffix == ".gguf":
-        from infemeral.cloak.sources import require_gguf
-
-        require_gguf()
-        kwargs = dict(gguf_file=path.name)
-        where = path.parent
-    else:
-        kwargs, where = {}, spec
-    model = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, **kwargs).eval()
-    tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
-    return model, tokenizer
 
 
 def tokenize(tokenizer, text: str, limit: int | None = None) -> list[int]:

@@ -15,43 +15,25 @@ at every position the plain model's top-1 is compared with the token the split s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import replace
 
 import torch
+
+from infemeral.eval.metrics import teacher_forced_logits
+from infemeral.eval.systems import PlainReference
+from infemeral.quant.agreement import Agreement
 
 # Lower bounds measured on the default model (see tests/test_reduced_precision.py), with margin.
 MIN_TOP1_RATE = {"bfloat16": 0.90, "float16": 0.95}
 MAX_MARGIN = {"bfloat16": 1.0, "float16": 0.5}
 
 
-@dataclass
-class Agreement:
-    positions: int
-    top1_matches: int
-    first_divergence: int | None
-    max_margin: float
-
-    @property
-    def top1_rate(self) -> float:
-        return self.top1_matches / self.positions if self.positions else float("nan")
-
-    def describe(self) -> str:
-        first = "none" if self.first_divergence is None else f"at token {self.first_divergence}"
-        return (f"top-1 {self.top1_matches}/{self.positions} ({self.top1_rate:.1%}), first divergence {first}, "
-                f"largest margin at a divergence {self.max_margin:.3f}")
-
-
 @torch.inference_mode()
 def teacher_forced_agreement(model: torch.nn.Module, prompt_ids: list[int], generated: list[int]) -> Agreement:
-    """Score `generated` (tokens chosen by the system under test after `prompt_ids`) with plain `model`."""
-    if not generated:
-        raise ValueError("nothing generated to compare")
-    device = next(model.parameters()).device
-    ids = torch.tensor([prompt_ids + generated[:-1]], device=device)
-    logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1:].float()  # row i predicts generated[i]
-    chosen = torch.tensor(generated, device=device)
+    """Score `generated` (tokens chosen by the system under test after `prompt_ids`) with plain `model`, in one
+    pass."""
+    logits = teacher_forced_logits(PlainReference(model), prompt_ids, generated, chunk=None)
+    chosen = torch.tensor(generated, device=logits.device)
     top1 = logits.argmax(-1)
-    differs = (top1 != chosen).nonzero().flatten().tolist()
-    margins = [float(logits[i, top1[i]] - logits[i, chosen[i]]) for i in differs]
-    return Agreement(len(generated), len(generated) - len(differs), differs[0] if differs else None,
-                     max(margins, default=0.0))
+    margins = [float(logits[i, top1[i]] - logits[i, chosen[i]]) for i in (top1 != chosen).nonzero().flatten()]
+    return replace(Agreement.from_matches([(top1 == chosen).cpu()]), max_margin=max(margins, default=0.0))

@@ -26,10 +26,16 @@ HELD_POSITIONS = 256  # a few hundred: one float and one quantised pass through 
 
 @dataclass
 class Agreement:
+    """How often a candidate's top-1 is the reference's, teacher-forced over the same tokens (every evaluation
+    reports this one record: prepare's check, `eval server-quant`, the client's and the server's precision)."""
+
     positions: int
     top1_matches: int
     first_divergence: int | None  # earliest over the sequences, in tokens of a continuation
-    divergences: list = field(default_factory=list)
+    divergences: list = field(default_factory=list)  # per sequence (None: none)
+    # at the disagreeing positions, the largest gap between the reference's logit for its own top-1 and for the
+    # candidate's token (None: not measured); small means the candidate chose differently only at near-ties
+    max_margin: float | None = None
 
     @property
     def top1_rate(self) -> float:
@@ -37,7 +43,8 @@ class Agreement:
 
     def describe(self) -> str:
         first = "none" if self.first_divergence is None else f"token {self.first_divergence}"
-        return f"top-1 {self.top1_matches}/{self.positions} ({self.top1_rate:.1%}), first divergence {first}"
+        margin = "" if self.max_margin is None else f", largest margin at a divergence {self.max_margin:.3f}"
+        return f"top-1 {self.top1_matches}/{self.positions} ({self.top1_rate:.1%}), first divergence {first}{margin}"
 
     def to_manifest(self) -> dict:
         return {"positions": self.positions, "top1_matches": self.top1_matches,

@@ -10,7 +10,10 @@ quantised weights are written.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
+from functools import cache
+from importlib import resources
 
 import torch
 from tqdm.auto import tqdm
@@ -19,7 +22,6 @@ from transformers import PretrainedConfig
 from infemeral.layers.stack import LayerStack
 from infemeral.quant.gptq import ONE_THREAD_ELEMENTS
 from infemeral.threads import one_thread
-from infemeral.quant.calibration_text import CONVERSATIONS
 
 # Linears that read the same input share one Hessian: the first of each group is hooked.
 INPUT_GROUPS = {
@@ -34,15 +36,24 @@ INPUT_GROUPS = {
 HELD_CONVERSATIONS = 3
 
 
+@cache
+def conversations() -> tuple[tuple[str, str], ...]:
+    """The (user, assistant) pairs of the packaged calibration text (data/calibration.json): chat turns written for
+    this project on many topics, prose, lists, code and numbers, like what the served layers will see. None is used
+    for evaluation: the perplexity text (infemeral/eval/data/) and the agreement prompts are on other subjects."""
+    text = (resources.files("infemeral.quant") / "data" / "calibration.json").read_text(encoding="utf-8")
+    return tuple((c["user"], c["assistant"]) for c in json.loads(text))
+
+
 def calibration_ids(tokenizer, max_tokens: int | None = None) -> list[list[int]]:
     """One token sequence per calibration conversation, chat-templated when the tokenizer has a template."""
-    return _chat_ids(tokenizer, CONVERSATIONS[:-HELD_CONVERSATIONS], max_tokens)
+    return _chat_ids(tokenizer, conversations()[:-HELD_CONVERSATIONS], max_tokens)
 
 
 def held_ids(tokenizer, max_tokens: int | None = None) -> list[list[int]]:
     """The held-out conversations, as calibration_ids reads the others: text that ships with the package and
     that no calibration has seen."""
-    return _chat_ids(tokenizer, CONVERSATIONS[-HELD_CONVERSATIONS:], max_tokens)
+    return _chat_ids(tokenizer, conversations()[-HELD_CONVERSATIONS:], max_tokens)
 
 
 def _chat_ids(tokenizer, conversations, max_tokens: int | None) -> list[list[int]]:

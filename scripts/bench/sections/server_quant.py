@@ -2,12 +2,13 @@
 
 Quality (default model): bundles prepared with each `--server-quant` mode (same model, each its own basis),
 run in-process through the layers' real kernels in float32 activations: perplexity on held text, the first
-1,024 tokens of each (tests/data/kjv_genesis_37-40.txt; and the GPL-3 licence the first measurements used,
+1,024 tokens of each (infemeral/eval/data/kjv_genesis_37-40.txt; and the GPL-3 licence the first measurements used,
 where the system has it at /usr/share/common-licenses/GPL-3; neither is calibrated on), and greedy agreement
 with the float32 split (its greedy continuations of chat prompts, teacher-forced through each mode: top-1 over
 every position, and the first divergence). The plain float32 model stands in for the float32 split, which matches it
 token for token (docs/design.md §1). The baseline the issue measured — the plain model's own layers (norm gains
-apart) round-to-nearest symmetric int4 in groups of 32 — is measured in the same run (infemeral/eval/server_quant.py).
+apart) round-to-nearest symmetric int4 in groups of 32 — is measured in the same run
+(scripts/studies/server_quant.py).
 
 Bytes and memory: each mode's server bundle on disk, and the weights the served layers hold once loaded for
 bfloat16 activations (tensor bytes; the process's RSS above a no-weights baseline is reported beside them),
@@ -126,39 +127,42 @@ def run(wb) -> Result:
 
 # -- quality ----------------------------------------------------------------------------------------------
 def _quality(wb, bundles, modes) -> list:
-    from infemeral.eval import server_quant as sq
+    from infemeral.eval.metrics import agreement, chat_ids, greedy_sequences, perplexity
+    from infemeral.eval.server_quant import AGREEMENT_PROMPTS, TEXT_TOKENS
+    from infemeral.eval.systems import BundleSplit, PlainReference
+    from studies import server_quant as study
 
     tokenizer = wb.tokenizer
-    texts = {name: tokenizer(path.read_text(), add_special_tokens=False)["input_ids"][:sq.TEXT_TOKENS]
-             for name, path in sq.held_texts().items()}
-    reference = sq.PlainReference(wb.reference)
-    base = {name: sq.perplexity(reference, ids) for name, ids in texts.items()}
-    prompts = [sq.chat_ids(tokenizer, p) for p in sq.AGREEMENT_PROMPTS]
+    texts = {name: tokenizer(path.read_text(), add_special_tokens=False)["input_ids"][:TEXT_TOKENS]
+             for name, path in study.held_texts().items()}
+    reference = PlainReference(wb.reference)
+    base = {name: perplexity(reference, ids) for name, ids in texts.items()}
+    prompts = [chat_ids(tokenizer, p) for p in AGREEMENT_PROMPTS]
     positions = 128 if wb.quick else 512
     log(f"  float32 reference: perplexity {', '.join(f'{v:.3f} ({k})' for k, v in base.items())}; "
         f"{positions} greedy positions")
-    sequences = sq.greedy_sequences(reference, prompts, positions, {tokenizer.eos_token_id} - {None})
+    sequences = greedy_sequences(reference, prompts, positions, {tokenizer.eos_token_id} - {None})
     rows = []
     for mode in ["float32 split", *modes]:
         if mode == "float32 split":
-            system, label, method = sq.BundleSplit(wb.client_dir, wb.server_dir), mode, "–"
+            system, label, method = BundleSplit(wb.client_dir, wb.server_dir), mode, "–"
         else:
-            system = sq.BundleSplit(bundles[mode].client_dir, bundles[mode].server_dir)
+            system = BundleSplit(bundles[mode].client_dir, bundles[mode].server_dir)
             q = system.quant
-            label, method = sq.Mode.of(q).label, q.method
+            label, method = study.Mode.of(q).label, q.method
         for name, ids in texts.items():
-            ppl = sq.perplexity(system, ids)
+            ppl = perplexity(system, ids)
             rows.append(PerplexityRow(label, method, name, ppl, ppl / base[name]))
             log(f"  {label:12s} {method:5s} {name}: perplexity {ppl:.3f} ({ppl / base[name]:.3f}x)")
-        a = sq.agreement(system, sequences)
+        a = agreement(system, sequences)
         rows.append(AgreementRow(label, method, a.positions, a.top1_rate, a.first_divergence))
         log(f"  {label:12s} {method:5s}: {a.describe()}")
         del system
         gc.collect()
-    ref = sq.Reference.from_transformers(wb.reference, tokenizer)
-    split = sq.FloatSplit(ref, "plain", sq.quantize_row(ref, "plain", sq.Mode("int4", "rtn-sym", 32)))
+    ref = study.Reference.from_transformers(wb.reference, tokenizer)
+    split = study.FloatSplit(ref, "plain", study.quantize_row(ref, "plain", study.Mode("int4", "rtn-sym", 32)))
     for name, ids in texts.items():
-        ppl = sq.perplexity(split, ids)
+        ppl = perplexity(split, ids)
         rows.append(PerplexityRow("baseline: plain model int4 g=32", "rtn-sym", name, ppl, ppl / base[name]))
         log(f"  baseline (the plain model's layers, gains apart, int4 g=32 round-to-nearest symmetric) {name}: "
             f"{ppl / base[name]:.3f}x")
