@@ -209,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_settings_flags(q, ClientSettings, ("client_bundle",))
     q.add_argument("--server-bundle", type=Path,
                    help="the matching server bundle (default: the server/ directory next to the client bundle)")
-    q.add_argument("--text", type=Path, help="held text for perplexity (default: a Genesis excerpt shipped with infemeral)")
+    q.add_argument("--text", type=Path, help="held text for perplexity (default: a Genesis excerpt in the package)")
     q.add_argument("--tokens", type=int, default=1024, help="tokens of it to score (default: 1024)")
     q.add_argument("--positions", type=int, default=512, help="greedy positions compared (default: 512)")
     q.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
