@@ -183,3 +183,29 @@ class DeleteSessionRequest(_message.Message):
 class DeleteSessionResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class ForkSessionRequest(_message.Message):
+    __slots__ = ("source_id", "source_key", "source_version", "bundle_fingerprint", "session_id", "session_key", "drop")
+    SOURCE_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_KEY_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BUNDLE_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_KEY_FIELD_NUMBER: _ClassVar[int]
+    DROP_FIELD_NUMBER: _ClassVar[int]
+    source_id: bytes
+    source_key: bytes
+    source_version: int
+    bundle_fingerprint: str
+    session_id: bytes
+    session_key: bytes
+    drop: int
+    def __init__(self, source_id: _Optional[bytes] = ..., source_key: _Optional[bytes] = ..., source_version: _Optional[int] = ..., bundle_fingerprint: _Optional[str] = ..., session_id: _Optional[bytes] = ..., session_key: _Optional[bytes] = ..., drop: _Optional[int] = ...) -> None: ...
+
+class ForkSessionResponse(_message.Message):
+    __slots__ = ("version", "cache_length")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    CACHE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    cache_length: int
+    def __init__(self, version: _Optional[int] = ..., cache_length: _Optional[int] = ...) -> None: ...

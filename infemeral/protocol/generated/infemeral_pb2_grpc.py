@@ -49,6 +49,11 @@ class InfemeralStub:
                 request_serializer=infemeral_dot_v1_dot_infemeral__pb2.DeleteSessionRequest.SerializeToString,
                 response_deserializer=infemeral_dot_v1_dot_infemeral__pb2.DeleteSessionResponse.FromString,
                 _registered_method=True)
+        self.ForkSession = channel.unary_unary(
+                '/infemeral.v1.Infemeral/ForkSession',
+                request_serializer=infemeral_dot_v1_dot_infemeral__pb2.ForkSessionRequest.SerializeToString,
+                response_deserializer=infemeral_dot_v1_dot_infemeral__pb2.ForkSessionResponse.FromString,
+                _registered_method=True)
 
 
 class InfemeralServicer:
@@ -72,6 +77,12 @@ class InfemeralServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ForkSession(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InfemeralServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -89,6 +100,11 @@ def add_InfemeralServicer_to_server(servicer, server):
                     servicer.DeleteSession,
                     request_deserializer=infemeral_dot_v1_dot_infemeral__pb2.DeleteSessionRequest.FromString,
                     response_serializer=infemeral_dot_v1_dot_infemeral__pb2.DeleteSessionResponse.SerializeToString,
+            ),
+            'ForkSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.ForkSession,
+                    request_deserializer=infemeral_dot_v1_dot_infemeral__pb2.ForkSessionRequest.FromString,
+                    response_serializer=infemeral_dot_v1_dot_infemeral__pb2.ForkSessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -172,6 +188,33 @@ class Infemeral:
             '/infemeral.v1.Infemeral/DeleteSession',
             infemeral_dot_v1_dot_infemeral__pb2.DeleteSessionRequest.SerializeToString,
             infemeral_dot_v1_dot_infemeral__pb2.DeleteSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ForkSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/infemeral.v1.Infemeral/ForkSession',
+            infemeral_dot_v1_dot_infemeral__pb2.ForkSessionRequest.SerializeToString,
+            infemeral_dot_v1_dot_infemeral__pb2.ForkSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,
