@@ -9,11 +9,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import re
 import sys
 from pathlib import Path
 
 from infemeral.settings_flags import settings_from_args
+from infemeral.client.session_store import SUFFIX, check_name
 from infemeral.client.settings import ClientSettings
 from infemeral.endpoint.settings import ServeSettings
 from infemeral.errors import InfemeralError, UsageError
@@ -23,9 +23,7 @@ DRAFT_HEAD_DIR = "draft-head"  # beside a prepared client bundle: where train-dr
 
 
 def session_path(settings: ClientSettings, name: str) -> Path:
-    if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name) or name.startswith("."):
-        raise InfemeralError("session names may use letters, digits, '.', '_' and '-' (at most 64)")
-    return settings.sessions_dir / f"{name}.session"
+    return settings.sessions_dir / f"{check_name(name)}{SUFFIX}"
 
 
 def prepare(args) -> int:
@@ -302,18 +300,13 @@ def evaluate(args) -> int:
 
 
 def delete(args) -> int:
-    from infemeral.client import session_file
     from infemeral.client.server_link import ServerLink
+    from infemeral.client.session_store import SessionStore
 
     settings = settings_from_args(ClientSettings, args)
-    path = session_path(settings, args.session)
-    if not path.exists():
-        raise InfemeralError(f"no saved session named {args.session!r} in {settings.sessions_dir}")
+    session_path(settings, args.session)  # a bad name is refused before anything connects
     with ServerLink.from_settings(settings) as link:  # the session file's header and one call: no model
-        session_id, key, version = session_file.identity(path, link.server_fingerprint)
-        if version:
-            link.delete_session(session_id, key)
-    path.unlink()
+        SessionStore(settings.sessions_dir, link.server_fingerprint).delete(args.session, link)
     print(f"deleted session {args.session!r}")
     return 0
 

@@ -85,6 +85,11 @@ def identity(path: str | Path, server_fingerprint: str) -> tuple[bytes, bytes, i
     return bytes.fromhex(meta["id"]), bytes.fromhex(meta["key"]), meta["version"]
 
 
+def transcript(path: str | Path, server_fingerprint: str) -> list[dict]:
+    """The messages of the session saved at `path`, read from the file's header alone (no torch)."""
+    return _metadata(Path(path).expanduser(), server_fingerprint)["messages"]
+
+
 def _metadata(path: Path, server_fingerprint: str) -> dict:
     """The session's metadata from the safetensors header (an 8-byte little-endian length, then JSON); refused
     if the file is no session file or belongs to another bundle than the one with `server_fingerprint`."""
