@@ -16,7 +16,7 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 from infemeral.client.client import Client
 from infemeral.client.sampling import SamplingParams
 from infemeral.protocol import pb
-from infemeral.protocol.tensors import WIRE_DTYPES, from_proto
+from infemeral.protocol.tensors import E4M3, WIRE_DTYPES, from_proto
 
 pytestmark = pytest.mark.slow
 
@@ -30,8 +30,9 @@ ALLOWED = {
     # not token data
     "infemeral.v1.OpenTurn": {"session_id", "session_key", "expected_version", "bundle_fingerprint", "turn_id",
                               "pending_turn_id", "reserve_tokens"},
-    "infemeral.v1.Step": {"hidden", "cache_length", "outputs", "evict"},
-    "infemeral.v1.Tensor": {"data", "dtype", "shape"},
+    # answer_dtype names a dtype; an 8-bit tensor's scales are its rows' magnitudes, which its values carry anyway
+    "infemeral.v1.Step": {"hidden", "cache_length", "outputs", "evict", "answer_dtype"},
+    "infemeral.v1.Tensor": {"data", "dtype", "shape", "scale"},
     "infemeral.v1.Truncate": {"tokens", "cache_length"},
     "infemeral.v1.Commit": set(),
     "infemeral.v1.KeepAlive": set(),  # sent while a slow client computes: carries nothing
@@ -219,3 +220,28 @@ def test_hidden_states_are_rotated_not_plain(recorded, reference):
     torch.testing.assert_close(sent @ sent.T, plain @ plain.T, rtol=1e-3, atol=1e-2)  # same Gram matrix
     cos = torch.nn.functional.cosine_similarity(sent, plain, dim=-1)
     assert cos.abs().max() < 0.5, "sent hidden states are (close to) the plain residual stream"
+
+
+@pytest.mark.parametrize("wire", ["e4m3", "e4m3-up"])
+def test_the_8bit_wire_sends_a_byte_per_element_and_is_answered_in_the_wire_asked_for(server, bundles, wire):
+    recorder = TurnRecorder()
+    with Client(f"127.0.0.1:{server.port}", bundles.client_dir, timeout=120, interceptors=[recorder],
+                wire=wire) as client:
+        result = client.generate("Tell me a story about a lighthouse.", SamplingParams(max_new_tokens=4))
+        info = client.server_info()
+    hidden = info.hidden_size
+    requests = [pb.TurnRequest.FromString(raw) for raw in recorder.turns[0]]
+    replies = [pb.TurnResponse.FromString(raw) for raw in recorder.replies[0]]
+    for i, request in enumerate(requests):
+        check_fields(request, f"message {i}")
+    answer = E4M3 if wire == "e4m3" else info.dtype
+    sent_rows = 0
+    for s in steps(requests):
+        rows = s.hidden.shape[0]
+        assert s.hidden.dtype == E4M3 and len(s.hidden.data) == rows * hidden and len(s.hidden.scale) == rows
+        assert s.answer_dtype == ("" if wire == "e4m3" else info.dtype)
+        sent_rows += rows
+    assert sent_rows >= result.prompt_tokens
+    answers = [r.step.hidden for r in replies if r.WhichOneof("kind") == "step"]
+    assert answers and {a.dtype for a in answers} == {answer}
+    assert all(len(a.scale) == (a.shape[0] if answer == E4M3 else 0) for a in answers)
