@@ -4,8 +4,8 @@ Every prompt token goes up as a hidden state (d x bytes per element), so over a 
 first token of a long prompt is mostly the upload. The link is `scripts/delay_proxy.py`: 80 ms round trip,
 20 or 100 Mbit/s up, 100 Mbit/s down, token-bucket paced. Four parts, each its own rows:
 
-* transport: a turn's prompt steps (max_step_tokens each, each waiting for its answer, as the client sends
-  them) through the proxy to a stand-in pod that decodes every step as the server does and answers its last
+* transport: a turn's prompt steps (max_step_tokens each, each waiting for its answer: the wire alone, with no
+  overlap of upload and prefill) through the proxy to a stand-in pod that decodes every step as the server does and answers its last
   row in the wire asked for, without running layers: the real encoding, message sizes and gRPC framing,
   against the floor of the upload's bytes over the link rate. At the default model's width (576) with its
   own hidden states, and at Llama-3-8B's (4,096) with random rows of that width (sizes and encoding time do
@@ -373,7 +373,7 @@ def targets(facts: dict) -> list:
 def method(chunk: int) -> str:
     return (f"The link is `scripts/delay_proxy.py`: {RTT_MS} ms round trip, {' or '.join(map(str, UP_MBIT))} Mbit/s "
             f"up, {DOWN_MBIT} Mbit/s down (token-bucket paced, nothing dropped). Transport: a turn's prompt in steps "
-            f"of {chunk} tokens (each waiting for its answer, as the client sends them today) to a stand-in pod that "
+            f"of {chunk} tokens (each waiting for its answer: the wire alone, no overlap) to a stand-in pod that "
             "decodes every step as the server does and answers its last row in the wire asked for, running no "
             "layers; the time runs from opening the turn to the last answer decoded, the floor is the upload's "
             "bytes over the link rate. The 8B shape's rows are random rows of width 4,096 (bytes and encoding "
