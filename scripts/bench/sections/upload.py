@@ -7,9 +7,9 @@ first token of a long prompt is mostly the upload. The link is `scripts/delay_pr
 * transport: a turn's prompt steps (max_step_tokens each, each waiting for its answer: the wire alone, with no
   overlap of upload and prefill) through the proxy to a stand-in pod that decodes every step as the server
   does and answers its last row in the wire asked for, without running layers: the real encoding, message
-  sizes and gRPC framing, against the floor of the upload's bytes over the link rate. At the default model's width (576) with its
-  own hidden states, and at Llama-3-8B's (4,096) with random rows of that width (sizes and encoding time do
-  not depend on the values);
+  sizes and gRPC framing, against the floor of the upload's bytes over the link rate. At the default model's
+  width (576) with its own hidden states, and at Llama-3-8B's (4,096) with random rows of that width (sizes
+  and encoding time do not depend on the values);
 * end to end: the real split (client half and a bfloat16 server of the default model) through the proxy,
   time to first token as the client measures it, laptop and pod compute included;
 * agreement: each 8-bit wire against the bfloat16 wire on the default model, in process through the real
