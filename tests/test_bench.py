@@ -141,3 +141,27 @@ def test_prepare_big_times_every_served_layer_from_read_to_written(tmp_path):
     assert all(0 < s < harness.now() - started for s in seconds)
     import infemeral.cloak.prepare as P
     assert P.save_file.__module__.startswith("safetensors")  # put back
+
+
+def test_upload_transport_sends_the_wires_bytes_through_the_rate_and_targets_need_agreement():
+    """A stand-in pod behind a 20 Mbit/s link: the 8-bit wire sends half of bfloat16's bytes, no turn beats its
+    bytes / rate floor, and a fast wire whose agreement is below the bar does not pass."""
+    import torch
+    from delay_proxy import DelayProxy
+
+    from bench.sections import upload
+
+    rows = torch.randn(512, 256)
+    pod = upload.StandInPod(256)
+    try:
+        with DelayProxy(f"127.0.0.1:{pod.port}", rtt_ms=0, up_mbit=20) as proxy:
+            sent = {w: upload.transport_turn(proxy.address, rows, upload.wire_of(w), 256) for w in upload.WIRES}
+    finally:
+        pod.close()
+    assert sent["bfloat16"][2] > 2 * 512 * 256
+    assert 0 < sent["e4m3-up"][2] - sent["e4m3"][2] <= 2 * 12  # its two steps' answer_dtype fields, no more
+    assert 0.49 < sent["e4m3"][2] / sent["bfloat16"][2] < 0.52
+    assert all(seconds >= 0.9 * size * 8 / 20e6 for seconds, _, size in sent.values())
+    facts = {"ratio_to_bf16": {"llama-3-8b/e4m3/4096/20": 0.5, "llama-3-8b/e4m3-up/4096/20": 0.5},
+             "top1": {"e4m3": 0.95, "e4m3-up": 0.995}}
+    assert [t.line().split(": ")[1][:4] for t in upload.targets(facts)] == ["MISS", "PASS"]
