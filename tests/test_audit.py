@@ -82,6 +82,17 @@ def test_report_shows_recovered_text_only_when_asked(report):
     assert "attack" in report.table().splitlines()[0]
 
 
+def test_each_token_of_the_users_text_is_flagged_by_whether_each_observer_recovers_it(report):
+    assert "".join(report.user_token_text) == PROMPT and len(report.user_token_text) == report.user_tokens
+    for row in report.rows:
+        if "user_correct" in row.metrics:
+            assert len(row.user_recovered) == report.user_tokens
+            assert sum(row.user_recovered) == row.metrics["user_correct"]
+    assert all(report.row("vocabulary").user_recovered) and not any(report.row("norms").user_recovered)
+    assert "user_token_text" not in json.loads(report.to_json())
+    assert json.loads(report.to_json(show_tokens=True))["user_token_text"] == report.user_token_text
+
+
 # -- what the attacks see is what the server receives and keeps ----------------------------------
 
 def test_observed_states_and_kv_are_exactly_the_servers(bundles, server, client_half):

@@ -31,6 +31,7 @@ class Row:
     time: str
     metrics: dict = field(default_factory=dict)
     recovered_text: str | None = None  # the user's text as this observer recovers it
+    user_recovered: list[bool] | None = None  # per token of the user's text: does this observer recover it
 
 
 @dataclass
@@ -43,6 +44,7 @@ class AuditReport:
     rows: list[Row]
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    user_token_text: list[str] | None = None  # the user's text token by token, as the rows' flags are
 
     def row(self, key: str) -> Row | None:
         return next((r for r in self.rows if r.key == key), None)
@@ -109,6 +111,8 @@ class AuditReport:
 
     def to_dict(self, show_tokens: bool = False) -> dict:
         out = asdict(self)
+        if not show_tokens:
+            out.pop("user_token_text")
         for row in out["rows"]:
             if not show_tokens:
                 row.pop("recovered_text")

@@ -96,7 +96,9 @@ class Audit:
         return AuditReport(prompt_tokens=self.seen.num_tokens, user_tokens=len(self.seen.user_positions),
                            client_layers=self.bundle.client_layers, wire_dtype=self.wire,
                            public_weights=self.weights.description, rows=rows, notes=self.notes,
-                           seconds=time.perf_counter() - started)
+                           seconds=time.perf_counter() - started,
+                           user_token_text=[self.tokenizer.decode([self.seen.token_ids[i]])
+                                            for i in self.seen.user_positions])
 
     def _public_weights(self, public_model) -> PublicWeights:
         if public_model is None:
@@ -177,7 +179,8 @@ class Audit:
         return Row(key, attack, observer, _rate(correct, len(truth)), _rate(user_correct, len(user)), time_,
                    dict(rate=correct / len(truth), user_rate=user_correct / len(user) if len(user) else None,
                         correct=correct, user_correct=user_correct, **metrics),
-                   recovered_text=self.tokenizer.decode([got[i] for i in user]))
+                   recovered_text=self.tokenizer.decode([got[i] for i in user]),
+                   user_recovered=[got[i] == truth[i] for i in user])
 
     def _note_scans(self, what: str, got: Recovery) -> None:
         if got.num_full_scans:
