@@ -19,6 +19,7 @@ import logging
 import torch
 
 from infemeral.cloak.bundle import ServerBundle
+from infemeral.devices import resolve_device, resolve_dtype
 from infemeral.kvcache.paged import KVPages, PagedBatch, PagedSequence, PagePool
 from infemeral.kvcache.window import rope_shift_frequencies
 from infemeral.layers.stack import head_dim
@@ -27,7 +28,6 @@ from infemeral.layers.plain_decoder import layer_window
 from infemeral.quant.served import ServerQuant, kernels_in_use, load_stack
 from infemeral.server import self_check
 from infemeral.server.config import EngineConfig
-from infemeral.server.devices import resolve_device, resolve_dtype
 
 log = logging.getLogger(__name__)
 
