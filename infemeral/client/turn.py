@@ -130,7 +130,7 @@ class TurnLoop:
     def prefill(self) -> torch.Tensor:
         """Send the prompt's new tokens, in steps that go up without waiting for each other (`TurnLink.prefill`);
         the logits [vocab] of the token after them. A draft head also gets the features of the prompt's last
-        positions (as many as it asks for, from the last step)."""
+        positions (as many as it asks for)."""
         self.started = time.perf_counter()
         link = self.link
         logits = link.prefill(self.new_prompt, self.speculator.prompt_features, self.on_progress)

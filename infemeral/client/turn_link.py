@@ -36,6 +36,7 @@ class SentStep:
     cache_length: int
     evict: int
     num_outputs: int
+    keep_features: int = 0  # of a prompt's step: how many of its outputs' features the prompt keeps
 
 
 class TurnLink:
@@ -90,9 +91,9 @@ class TurnLink:
                 on_progress: ProgressCallback | None = None) -> torch.Tensor:
         """Run a prompt through both halves, its steps sent without waiting for their replies (`upload`): the
         pod prefills one step while the next is on the wire, and the laptop's layers run the next meanwhile.
-        The logits [vocab] of the last position; `features` keeps the last step's (`last_outputs` of them).
-        Every reply is checked as `step` checks it; `on_progress` hears of each (an exception it raises ends
-        the turn, which then commits nothing)."""
+        The logits [vocab] of the last position; `features` keeps those of the prompt's last `last_outputs`
+        positions, from as many steps as they span. Every reply is checked as `step` checks it; `on_progress`
+        hears of each (an exception it raises ends the turn, which then commits nothing)."""
         drop = self._flush_drop()  # none at a turn's start, where prompts go
         if drop:
             self._check_truncated(self.stream.receive("truncated"), self.cache.length)
@@ -102,23 +103,27 @@ class TurnLink:
         clock = UploadClock(len(ids), per_token)
         replies = ReplyReader(self.stream, "step")
         in_flight: deque[SentStep] = deque()
+        kept: list[torch.Tensor] = []
+        kept_from = len(ids) - last_outputs  # the first position whose feature is kept
         try:
             start = 0
             while start < len(ids):
-                self._take_replies(replies, in_flight, sizer, clock, on_progress,
+                self._take_replies(replies, in_flight, sizer, clock, on_progress, kept,
                                    wait=len(in_flight) >= MAX_IN_FLIGHT)
                 part = ids[start:start + sizer.next(start)]
+                keep = min(max(start + len(part) - max(start, kept_from), 0), len(part))  # the last `keep` of it
                 start += len(part)
-                in_flight.append(self._send_step(part, max(min(last_outputs, len(part)), 1)
-                                                 if start == len(ids) else 1))
+                in_flight.append(self._send_step(part, max(keep, 1), keep))
                 replies.expect_one()
             while in_flight:
-                self._take_replies(replies, in_flight, sizer, clock, on_progress, wait=True)
+                self._take_replies(replies, in_flight, sizer, clock, on_progress, kept, wait=True)
         finally:
             replies.stop()
+        if len(kept) > 1:  # the kept positions spanned several steps
+            self.features = torch.cat(kept)
         return self.model.project(self.features[-1:])[-1]
 
-    def _send_step(self, ids: list[int], num_outputs: int) -> SentStep:
+    def _send_step(self, ids: list[int], num_outputs: int, keep_features: int = 0) -> SentStep:
         """Slide the window if the step needs it, run the laptop's layers, send the step; what to expect back."""
         cache, model, window = self.cache, self.model, self.window
         before = cache.length
@@ -131,7 +136,7 @@ class TurnLink:
         self.stream.send(pb.TurnRequest(step=pb.Step(hidden=self._encode(hidden), cache_length=before,
                                                      evict=evict, outputs=num_outputs if num_outputs > 1 else 0,
                                                      answer_dtype=self.wire.answer)))
-        return SentStep(list(ids), cache.length, evict, num_outputs)
+        return SentStep(list(ids), cache.length, evict, num_outputs, keep_features)
 
     def _encode(self, hidden: torch.Tensor) -> pb.Tensor:
         return to_proto(hidden, self.wire.upload)
@@ -148,8 +153,9 @@ class TurnLink:
         self.features = self.model.features(residual)
 
     def _take_replies(self, replies: ReplyReader, in_flight: deque[SentStep], sizer: ChunkSizer, clock: UploadClock,
-                      on_progress, wait: bool) -> None:
-        """Take the replies that have come (with `wait`, at least one) to the oldest steps in flight."""
+                      on_progress, kept: list[torch.Tensor], wait: bool) -> None:
+        """Take the replies that have come (with `wait`, at least one) to the oldest steps in flight; the
+        features the prompt keeps go to `kept`."""
         while in_flight:
             reply = replies.get(block=wait)
             if reply is None:
@@ -157,6 +163,8 @@ class TurnLink:
             out, arrived = reply
             sent = in_flight.popleft()
             self._answered(sent, out)
+            if sent.keep_features:
+                kept.append(self.features[-sent.keep_features:])
             progress = clock.answered(len(sent.ids))
             sizer.measured(clock.tokens, arrived - clock.started)
             if on_progress is not None:
