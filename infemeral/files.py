@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import BinaryIO
 
 TEMP_PREFIX = ".tmp-"  # a write in progress, or one a crash cut short: `.tmp-<name>.<random>`
 
@@ -18,12 +21,21 @@ def write_private(path: str | Path, data: bytes, *, durable: bool = False) -> Pa
     """Replace `path` with `data` at once, owner-only (0600), through a temporary file of its own beside it
     (two writers never share one) that is removed if the write fails. `durable`: fsync the file before the
     rename and its directory after, so that what was written survives a power cut, not only a crash."""
+    with private_file(path, durable=durable) as f:
+        f.write(data)
+    return Path(path)
+
+
+@contextmanager
+def private_file(path: str | Path, *, durable: bool = False) -> Iterator[BinaryIO]:
+    """`write_private` for data written a piece at a time (more than memory holds): the file to write, which
+    replaces `path` whole when the block ends and is removed if it raises; owner-only throughout."""
     path = Path(path)
     fd, temp = tempfile.mkstemp(dir=path.parent, prefix=f"{TEMP_PREFIX}{path.name}.")
     try:
         with os.fdopen(fd, "wb") as f:
             os.fchmod(f.fileno(), 0o600)  # mkstemp's 0600 less the umask: exactly 0600 whatever the umask
-            f.write(data)
+            yield f
             if durable:
                 f.flush()
                 os.fsync(f.fileno())
@@ -33,7 +45,6 @@ def write_private(path: str | Path, data: bytes, *, durable: bool = False) -> Pa
         raise
     if durable:
         fsync_directory(path.parent)
-    return path
 
 
 def fsync_directory(directory: Path) -> None:

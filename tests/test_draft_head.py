@@ -393,8 +393,9 @@ def test_train_drafter_writes_a_head_this_model_loads_and_reuses_its_data(chat_t
     assert 1.0 <= report.tokens_per_step <= 4.0
     raw = json.loads((tmp_path / "head" / "config.json").read_text())
     assert raw["num_hidden_layers"] == 1 and raw["infemeral"]["training"]["steps"] == 4
-    cached = list((tmp_path / "cache").iterdir())  # the answers, written whole and owner-only, no temporary left
-    assert len(cached) == 1 and cached[0].suffix == ".safetensors" and stat.S_IMODE(cached[0].stat().st_mode) == 0o600
+    cached = sorted((tmp_path / "cache").iterdir())  # the answers, written whole and owner-only, no temporary left
+    assert [p.suffix for p in cached] == [".features", ".safetensors"]
+    assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in cached)
     out = prepare(output=tmp_path / "bundles", source=ModelSource(model, chat_tokenizer), progress=False)
     head = DraftHead.load(tmp_path / "head", ClientModel(ClientBundle.open(out.client_dir)))
     assert head.vocab.size == report.draft_vocab and chat_tokenizer.eos_token_id in head.vocab.target_ids.tolist()

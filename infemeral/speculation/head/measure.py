@@ -10,15 +10,16 @@ from infemeral.speculation.head.drafter import DraftHead
 
 
 class TargetTables:
-    """The part of a client half a `DraftHead` reads (embedding, LM head), over plain float32 tensors."""
+    """The part of a client half a `DraftHead` reads (embedding, LM head), over plain float32 tensors: what a
+    head trains against and is measured with, whichever way the model answered."""
 
-    def __init__(self, model, device: torch.device):
+    def __init__(self, config, embed: torch.Tensor, head: torch.Tensor, device: torch.device):
         from infemeral.client_half.tables import DenseTokenTable
 
-        self.config = model.config
+        self.config = config
         self.dtype, self.device = torch.float32, device
-        self.embed = DenseTokenTable(model.get_input_embeddings().weight.detach().to(device, torch.float32))
-        self.head = DenseTokenTable(model.get_output_embeddings().weight.detach().to(device, torch.float32))
+        self.embed = DenseTokenTable(embed.to(device, torch.float32))
+        self.head = self.embed if head is embed else DenseTokenTable(head.to(device, torch.float32))
 
 
 @torch.inference_mode()

@@ -36,6 +36,7 @@ class TrainSettings:
     held_out: int = 16            # prompts kept out of training, for the acceptance measurement
     eval_drafts: int = 5          # k of that measurement
     generate_batch: int = 64
+    in_flight: int = 8            # answers from a pod: turns at once (its per-address limit is 8 by default)
     generate_dtype: str = "auto"  # of the answers and their features (auto: on a CPU float32 unless bf16 is native)
     device: str = "auto"
     threads: int = 0              # CPU threads (0: the faster of one and all, measured on the model)
@@ -65,5 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache", default=str(DEFAULT_CACHE),
                         help="where the model's answers and features are kept between runs ('none': nowhere)")
     parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--in-flight", type=int, default=d.in_flight,
+                        help="with --server: prompts answered at once, for the pod to batch (at most its "
+                             "per-client limit)")
 
 

@@ -33,7 +33,8 @@ import torch.nn.functional as F
 
 from infemeral.devices import is_available, native_on_cpu, resolve_device
 from infemeral.speculation.head.checkpoint import probe_of, save_head
-from infemeral.speculation.head.data import TrainingData, draft_vocabulary, training_data
+from infemeral.speculation.head.data import (Answers, LocalAnswers, TrainingData, draft_vocabulary, generate_dtype,
+                                             training_data)
 from infemeral.speculation.head.drafter import DraftHead
 from infemeral.speculation.head.measure import TargetTables, measure
 from infemeral.speculation.head.model import HeadModel, layer_config
@@ -96,10 +97,9 @@ class Frozen:
     head: torch.Tensor    # [draft vocab, d], rows of the LM head
 
 
-def frozen_tables(model, draft_ids: torch.Tensor | None, device: torch.device) -> Frozen:
-    embed = model.get_input_embeddings().weight.detach().to(device, torch.float32)
-    head = model.get_output_embeddings().weight.detach().to(device, torch.float32)
-    return Frozen(embed, head if draft_ids is None else head[draft_ids.to(device)].contiguous())
+def frozen_tables(tables: TargetTables, draft_ids: torch.Tensor | None) -> Frozen:
+    embed, head = tables.embed.weight, tables.head.weight
+    return Frozen(embed, head if draft_ids is None else head[draft_ids.to(head.device)].contiguous())
 
 
 def batches(data: TrainingData, batch_tokens: int, rng: random.Random) -> list[list[int]]:
@@ -208,71 +208,83 @@ def train(module: HeadModel, frozen: Frozen, data: TrainingData, settings: Train
 
 def train_drafter(model: str | Path, output: str | Path, settings: TrainSettings | None = None, *,
                   cache_dir: str | Path | None = DEFAULT_CACHE, progress: bool = True,
-                  loaded=None) -> TrainReport:
+                  loaded=None, answers: Answers | None = None) -> TrainReport:
     """Train a draft head for `model` ('default', a .gguf file or a model directory) and write it to `output`.
 
-    `loaded` (model, tokenizer) skips loading: a model already in memory (tests, benchmarks)."""
-    from infemeral.speculation.draft_model import load_model
-
+    `loaded` (model, tokenizer) skips loading: a model already in memory (tests, benchmarks). `answers` answers
+    the prompts instead of the model here: the split system (the SDK's `PodAnswers`) for a model too big for
+    this machine; `model` then only names it in the head's record."""
     settings = settings or TrainSettings()
     device = resolve_device(settings.device)
     torch.manual_seed(settings.seed)
     started = time.perf_counter()
-    if loaded is None:
-        log.info("loading %s", model)
-        target, tokenizer = load_model(model, torch.float32)
-    else:
-        target, tokenizer = loaded
-    config = target.config
+    target = None
+    if answers is None:
+        if loaded is None:
+            from infemeral.speculation.draft_model import load_model
+
+            log.info("loading %s", model)
+            target, tokenizer = load_model(model, torch.float32)
+        else:
+            target, tokenizer = loaded
+        answering = FasterThreads(device, trials=2, fixed=settings.threads)  # a batch's first 4 decode steps try
+        answers = LocalAnswers(target, tokenizer, str(model), device,
+                               generate_dtype(settings.generate_dtype, target, device), settings.generate_batch,
+                               answering)
     prompts = chat_prompts(settings.prompts + settings.held_out, seed=settings.seed)
-    answering = FasterThreads(device, trials=2, fixed=settings.threads)  # a batch's first 4 decode steps try
-    data = training_data(target, tokenizer, prompts, settings, description=str(model),
-                         cache_dir=None if cache_dir is None else Path(cache_dir), device=device, threads=answering,
+    data = training_data(answers, prompts, settings, cache_dir=None if cache_dir is None else Path(cache_dir),
                          progress=progress)
-    threads = settings.threads or training_threads(target, device, settings.generate_batch)
+    threads = settings.threads or (training_threads(target, device, settings.generate_batch) if target is not None
+                                   else torch.get_num_threads())
     torch.set_num_threads(threads)
     log.info("training on %d CPU thread(s)", threads)
-    target.to(device, torch.float32)
+    tables = TargetTables(*answers.target_weights(), device)
+    config = tables.config
     data_seconds = time.perf_counter() - started
     train_data, held = data.split(min(settings.held_out, max(len(data.ids) - 1, 0)))
     draft_ids = draft_vocabulary(train_data, settings.draft_vocab, config.vocab_size)
-    frozen = frozen_tables(target, draft_ids, device)
+    frozen = frozen_tables(tables, draft_ids)
     module = HeadModel(layer_config(config), device=device)
     steps, seconds, loss = train(module, frozen, train_data, settings, device, progress)
-    head = DraftHead(module, TargetTables(target, device), draft_ids=draft_ids, quant="none")
+    head = DraftHead(module, tables, draft_ids=draft_ids, quant="none")
     first, per_step, coverage = measure(head, held, settings.eval_drafts,
                                                           settings.eval_positions, progress) if held.ids else (
         float("nan"), float("nan"), float("nan"))
     report = TrainReport(settings.prompts, train_data.num_answer_tokens, train_data.num_tokens,
                          len(draft_ids) if draft_ids is not None else config.vocab_size, coverage, steps,
                          data_seconds, seconds, first, per_step, settings.eval_drafts, loss)
-    probe_ids, probe_rows = probe_of(lambda ids: target.get_input_embeddings().weight[ids.to(device)].detach(),
-                                     config.vocab_size)
+    probe_ids, probe_rows = probe_of(lambda ids: tables.embed.lookup(ids.to(device)), config.vocab_size)
     module.to("cpu")
     save_head(output, module, draft_ids=draft_ids, vocab_size=config.vocab_size, probe_ids=probe_ids,
-              probe_rows=probe_rows, info={"training": {"model": str(model), **asdict(report),
-                                                        "settings": asdict(settings)}})
+              probe_rows=probe_rows, info={"training": {"model": str(model), "answered_by": answers.description,
+                                                        **asdict(report), "settings": asdict(settings)}})
     return report
 
 
-def run(args: argparse.Namespace) -> int:
-    """`infemeral-client train-drafter`: train with the flags of `add_arguments`, print what was measured."""
+def run(args: argparse.Namespace, answers: Answers | None = None) -> int:
+    """`infemeral-client train-drafter`: train with the flags of `add_arguments`, print what was measured;
+    `answers` (the pod's, with --server) answers instead of the model here."""
+    check_arguments(args)
+    logging.getLogger(__package__).setLevel(logging.INFO)  # this module's and the data's
+    settings = TrainSettings(prompts=args.prompts, max_new_tokens=args.max_new_tokens, draft_vocab=args.draft_vocab,
+                             minutes=args.minutes, unroll=args.unroll, max_steps=args.max_steps, device=args.device,
+                             seed=args.seed, threads=args.threads, in_flight=args.in_flight)
+    report = train_drafter(args.model, args.output, settings,
+                           cache_dir=None if args.cache == "none" else args.cache, answers=answers)
+    print(f"wrote {args.output}: {report.describe()}")
+    return 0
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """Refuse flags a run cannot use, before anything loads or connects."""
     if args.output is None:
         raise ValueError("train-drafter needs --output DIR")
     if args.device.startswith("cuda") and not is_available("cuda"):
         raise ValueError(f"--device {args.device}, but torch sees no CUDA device here (use --device cpu)")
-    for flag in ("prompts", "max_new_tokens", "unroll"):
+    for flag in ("prompts", "max_new_tokens", "unroll", "in_flight"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, not {getattr(args, flag)}")
     if args.minutes <= 0:
         raise ValueError(f"--minutes must be above 0, not {args.minutes} (--max-steps can stop it sooner)")
-    logging.getLogger(__package__).setLevel(logging.INFO)  # this module's and the data's
-    settings = TrainSettings(prompts=args.prompts, max_new_tokens=args.max_new_tokens, draft_vocab=args.draft_vocab,
-                             minutes=args.minutes, unroll=args.unroll, max_steps=args.max_steps, device=args.device,
-                             seed=args.seed, threads=args.threads)
-    report = train_drafter(args.model, args.output, settings,
-                           cache_dir=None if args.cache == "none" else args.cache)
-    print(f"wrote {args.output}: {report.describe()}")
-    return 0
 
 
