@@ -112,12 +112,25 @@ def _load_head(path: Path, client, *, is_found: bool):
 
 def train_drafter(args) -> int:
     """Train a draft head; by default it goes beside the client bundle (INFEMERAL_CLIENT_BUNDLE), where
-    `--speculate auto` finds it."""
-    from infemeral.speculation.head.train import run
+    `--speculate auto` finds it. With --server the pod and the laptop's half answer the training prompts, for a
+    model this machine cannot run whole (INFEMERAL_SERVER alone, set for chat, leaves the answering here)."""
+    from infemeral.speculation.head.train import check_arguments, run
 
+    settings = settings_from_args(ClientSettings, args)
     if args.output is None:
-        args.output = ClientSettings().client_bundle.parent / DRAFT_HEAD_DIR
-    return run(args)
+        args.output = settings.client_bundle.parent / DRAFT_HEAD_DIR
+    check_arguments(args)
+    if args.server is None:
+        return run(args)
+    if args.model != "default":
+        raise UsageError(f"--model {args.model} answers here, --server {settings.server} on the pod: give one "
+                         "(with --server the model is the pod's, and --client-bundle its laptop half)")
+    from infemeral.client.client import Client
+    from infemeral.client.head_answers import PodAnswers
+
+    args.model = f"served at {settings.server}"
+    with Client.from_settings(settings) as client:
+        return run(args, PodAnswers(client, args.in_flight))
 
 
 def _report(result, verbose: bool) -> None:

@@ -219,11 +219,16 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train-drafter", help="train a draft head for a model (faster open chat over a WAN)",
                        description="Train a draft head (EAGLE-style: one decoder layer over the model's own top-layer "
                                    "features) by self-distillation: the model answers a set of chat prompts here, "
-                                   "and the head learns to predict its next features and tokens. Runs on this "
-                                   "machine (CUDA if there is one); writes the EAGLE layout (config.json, "
-                                   "model.safetensors), by default beside the default bundles, where "
-                                   "--speculate auto finds it.")
+                                   "or with --server the pod and the laptop's half answer them (a model too big "
+                                   "for this machine), and the head learns to predict its next features and "
+                                   "tokens. Trains on this machine (CUDA if there is one); writes the EAGLE "
+                                   "layout (config.json, model.safetensors), by default beside the default "
+                                   "bundles, where --speculate auto finds it.")
     add_head_training_arguments(t)
+    pod = t.add_argument_group("answers from a pod (--server, instead of --model: a model too big for this machine)")
+    add_settings_flags(pod, ClientSettings, CONNECTION, shown_defaults={
+        "server": "none: the model answers here, whatever INFEMERAL_SERVER says"})
+    _local_compute(t)
 
     d = sub.add_parser("delete", help="delete a saved session here and on the server",
                        description="Delete a session saved by `chat --session NAME`: its file on this machine and "

@@ -95,6 +95,10 @@ class PackedHead:
         """A head of only `ids`' rows (a draft head's reduced vocabulary), packed as this one."""
         return PackedHead(self.weight.to_dense()[ids].contiguous())
 
+    def dense(self) -> torch.Tensor:
+        """The whole head in float32 (as the other token tables give theirs: a draft head trains against it)."""
+        return self.weight.to_dense().float()
+
 
 class Projection:
     """Right-multiplication by a fixed square matrix (the secret basis or its transpose): `x @ matrix`.
