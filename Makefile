@@ -30,11 +30,12 @@ demo: $(STAMP)
 test: $(STAMP) system-deps
 	$(BIN)/python -m pytest -q -ra --durations=25  # the 25 slowest, so a creeping suite shows in CI
 
-# Tests start a real redis-server, lint the image's scripts with shellcheck and call the OpenAI endpoint with
-# curl; install them when missing.
-SYSTEM_DEPS := redis-server shellcheck curl
+# Tests start a real redis-server, lint the image's scripts with shellcheck, call the OpenAI endpoint with
+# curl and drive the chat page in headless Chromium; install them when missing (command:Debian package).
+SYSTEM_DEPS := redis-server:redis-server shellcheck:shellcheck curl:curl chromium:chromium chromedriver:chromium-driver
 system-deps:
-	@missing=""; for t in $(SYSTEM_DEPS); do command -v $$t >/dev/null 2>&1 || missing="$$missing $$t"; done; \
+	@missing=""; for dep in $(SYSTEM_DEPS); do \
+	  command -v $${dep%%:*} >/dev/null 2>&1 || missing="$$missing $${dep#*:}"; done; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing$$missing"; \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \

@@ -29,9 +29,11 @@ def shipped_data() -> set[Path]:
 
 
 def test_every_data_file_the_package_reads_is_declared():
-    data = {p.resolve() for p in PACKAGE.rglob("data/*") if p.is_file() and p.name != "README.md"}
+    data = {p.resolve() for folder in ("data", "static") for p in PACKAGE.rglob(f"{folder}/*")
+            if p.is_file() and p.name != "README.md"}
     read_by_the_package = {PACKAGE / "eval" / "data" / "kjv_genesis_37-40.txt",
-                           PACKAGE / "quant" / "data" / "calibration.json"}
+                           PACKAGE / "quant" / "data" / "calibration.json",
+                           PACKAGE / "endpoint" / "static" / "index.html"}  # static/: the chat page's files
     assert read_by_the_package <= data
     missing = sorted(str(p.relative_to(REPO)) for p in data - shipped_data())
     assert not missing, f"not declared in pyproject.toml's [tool.setuptools.package-data]: {missing}"

@@ -59,15 +59,16 @@ def draft_head_path(settings: ClientSettings) -> Path | None:
     return beside if settings.speculate == "auto" and (beside / "config.json").exists() else None
 
 
-def open_client(settings: ClientSettings):
-    """The SDK's Client for these settings, with its answer index and draft sources."""
+def open_client(settings: ClientSettings, interceptors: list | None = None):
+    """The SDK's Client for these settings, with its answer index and draft sources (and `interceptors` on its
+    channel)."""
     from infemeral.cli.gc_paused import gc_paused
 
     with gc_paused():  # the heavy imports and the model's load
-        return _open_client(settings)
+        return _open_client(settings, interceptors)
 
 
-def _open_client(settings: ClientSettings):
+def _open_client(settings: ClientSettings, interceptors: list | None = None):
     from infemeral.client.client import Client
     from infemeral.speculation.answer_index import AnswerIndex
 
@@ -78,7 +79,7 @@ def _open_client(settings: ClientSettings):
     if settings.speculate == "head" and head is None:
         raise InfemeralError("--speculate head needs --draft-head PATH (`infemeral-client train-drafter` trains one "
                              "for your model)")
-    client = Client.from_settings(settings)
+    client = Client.from_settings(settings, interceptors)
     try:
         if settings.speculate != "off" and settings.answer_index:
             client.answer_index = AnswerIndex.for_tokenizer(settings.answer_index_dir, client.tokenizer,
@@ -219,14 +220,15 @@ def chat(args) -> int:
 
 def serve(args) -> int:
     from infemeral.endpoint.serve import serve as serve_endpoint
+    from infemeral.endpoint.wire_meter import WireMeter
 
     serve_settings = settings_from_args(ServeSettings, args)
     given = {k: v for k, v in vars(args).items() if k != "api_key"}  # --api-key is the endpoint's own key
     if args.server_api_key:
         given["api_key"] = args.server_api_key
     settings = settings_from_args(ClientSettings, argparse.Namespace(**given))
-    return serve_endpoint(serve_settings, lambda: open_client(settings), lambda client: _sampling(settings, client),
-                 settings.server)
+    return serve_endpoint(serve_settings, lambda: open_client(settings, [WireMeter()]),
+                          lambda client: _sampling(settings, client), settings.server, settings.sessions_dir)
 
 
 def info(args) -> int:

@@ -148,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "are defaults for requests that leave a value out.")
     add_settings_flags(s, ServeSettings)
     upstream = s.add_argument_group("infemeral server")
-    add_settings_flags(upstream, ClientSettings, tuple(n for n in CONNECTION if n not in ("api_key", "api_key_file")))
+    add_settings_flags(upstream, ClientSettings, tuple(n for n in CONNECTION if n not in ("api_key", "api_key_file"))
+                       + ("sessions_dir",))
     upstream.add_argument("--server-api-key", help="API key the infemeral server asks for (env INFEMERAL_API_KEY; "
                                                         "or a file: INFEMERAL_API_KEY_FILE)")
     _local_compute(s)

@@ -107,10 +107,11 @@ class Client:
         self.draft_history: dict[str, SourceHistory] = {}  # each draft source's acceptance and cost, ditto
 
     @classmethod
-    def from_settings(cls, settings: ClientSettings) -> "Client":
+    def from_settings(cls, settings: ClientSettings, interceptors: list | None = None) -> "Client":
         """From a `ClientSettings` (the command line's and the endpoint's): its server, bundle, connection and
-        how the laptop's half computes. Draft sources and the answer index are the caller's to add."""
-        return cls(settings.server, settings.client_bundle, **settings.connection(),
+        how the laptop's half computes; `interceptors` go on its channel. Draft sources and the answer index are
+        the caller's to add."""
+        return cls(settings.server, settings.client_bundle, **settings.connection(), interceptors=interceptors,
                    client_dtype=settings.client_dtype, client_device=settings.client_device,
                    client_quant=settings.client_quant, wire=settings.wire)
 

@@ -43,6 +43,8 @@ class ServerLink:
                  api_key: str | None = None, options: list | None = None, interceptors: list | None = None):
         self.manifest = client_manifest(client_bundle)
         self.address = server
+        self.tls = tls_ca is not None  # what the channel is, for those who show it
+        self.mutual_tls = self.tls and tls_client_cert is not None
         self.timeout = min(timeout, RPC_TIMEOUT)
         self.channel = client_channel(server, tls_ca=tls_ca, client_cert=tls_client_cert, client_key=tls_client_key,
                                       server_name=tls_server_name, api_key=api_key, options=options)

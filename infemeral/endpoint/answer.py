@@ -17,6 +17,7 @@ from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from infemeral.endpoint.session_pool import SessionPool
+from infemeral.endpoint.wire_meter import WireBytes, counting
 from infemeral.errors import Aborted, DataLoss, NotFound, StatusError
 
 log = logging.getLogger(__name__)
@@ -40,22 +41,31 @@ def session_is_gone(e: Exception) -> bool:
 class Answer:
     """One request's turn: a session leased from the pool and its answer's text as it is sampled.
 
-    Blocking (the SDK is synchronous): run its methods in a worker thread, one at a time."""
+    Blocking (the SDK is synchronous): run its methods in a worker thread, one at a time. `conversation` names
+    the saved conversation the request continues (`SessionPool.acquire`, with `resume` to load its session);
+    `finished(session)` runs once the turn has committed, before the session goes back to the pool."""
 
-    def __init__(self, pool: SessionPool, prompt_ids: list[int], start: Callable[[object], Iterator[str]]):
+    def __init__(self, pool: SessionPool, prompt_ids: list[int], start: Callable[[object], Iterator[str]], *,
+                 conversation: str | None = None, resume: Callable[[], object | None] | None = None,
+                 finished: Callable[[object], None] | None = None):
         self.pool, self.prompt_ids, self.start = pool, prompt_ids, start
+        self.conversation, self.resume, self.finished = conversation, resume, finished
         self.session = None
+        self.wire = WireBytes()  # what this answer's turns sent to the pod and got back
         self._deltas: Iterator[str] | None = None
 
     def first(self) -> str | None:
         """Open the turn; its first text (None if the answer is empty). A reused session whose stored state
         is gone (`session_is_gone`) is dropped and the request starts over, once, on a new one."""
         for attempt in range(2):
-            self.session = self.pool.acquire(self.prompt_ids)
+            lease = {"conversation": self.conversation, "resume": None if attempt else self.resume} \
+                if self.conversation is not None else {}  # a retry starts the conversation's session afresh
+            self.session = self.pool.acquire(self.prompt_ids, **lease)
             had_state = bool(self.session.version)
             self._deltas = self.start(self.session)
             try:
-                return next(self._deltas, None)
+                with counting(self.wire):  # the turn's call opens here
+                    return self._next()
             except StatusError as e:
                 if not session_is_gone(e):
                     raise  # the session keeps its committed state; close() gives it back to the pool
@@ -67,11 +77,18 @@ class Answer:
         raise AssertionError("unreachable")
 
     def next(self) -> str | None:
-        return next(self._deltas, None)
+        return self._next()
 
     def rest(self) -> None:
-        for _ in self._deltas:
+        while self._next() is not None:
             pass
+
+    def _next(self) -> str | None:
+        delta = next(self._deltas, None)
+        if delta is None and self.finished is not None:  # the turn has committed
+            self.finished(self.session)
+            self.finished = None
+        return delta
 
     @property
     def result(self):

@@ -25,9 +25,22 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, figures: dict | None = None) -> dict:
+    """OpenAI's token counts; `figures` (`answer_figures`) ride along as `usage.infemeral`, an extra field that
+    OpenAI clients keep and ignore."""
+    counts = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+              "total_tokens": prompt_tokens + completion_tokens}
+    return {**counts, "infemeral": figures} if figures is not None else counts
+
+
+def answer_figures(result, wire) -> dict:
+    """What one answer cost, as the chat page shows it: decode speed, tokens per round trip (above 1 when drafts
+    were accepted), the time from opening the turn to the first token (the prompt's upload and prefill), and
+    the bytes the turn sent to the pod and received (`WireBytes`)."""
+    return {"tokens_per_second": round(result.tokens_per_second, 2),
+            "tokens_per_round_trip": round(result.tokens_per_round_trip, 2),
+            "round_trips": result.round_trips, "time_to_first_token": round(result.time_to_first_token, 3),
+            "prompt_tokens_sent": result.prompt_tokens, "bytes_sent": wire.sent, "bytes_received": wire.received}
 
 
 def finish_reason(result) -> str:

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from infemeral.client.sampling import SEED_MAX, SEED_MIN
+from infemeral.client.sampling import SEED_MAX, SEED_MIN, SPECULATE
+from infemeral.client.session_store import check_name
+from infemeral.errors import InfemeralError
 
 
 class RequestError(Exception):
@@ -68,6 +70,8 @@ class _Request(BaseModel):
     # not in OpenAI's API, but sent by tools written for vLLM / llama.cpp servers
     top_k: int | None = Field(None, ge=0)
     repetition_penalty: float | None = Field(None, gt=0)
+    # infemeral's own: where drafts come from (SamplingParams.speculate); the output is the same
+    speculate: Literal[SPECULATE] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -138,6 +142,16 @@ class ChatCompletionRequest(_Request):
     tools: list[Any] | None = None
     functions: list[Any] | None = None
     response_format: dict | None = None
+    # infemeral's own: the saved conversation this request continues (the chat page's), saved after its answer
+    conversation: str | None = None
+
+    @field_validator("conversation")
+    @classmethod
+    def _a_session_name(cls, name: str | None) -> str | None:
+        try:
+            return name if name is None else check_name(name)
+        except InfemeralError as e:
+            raise ValueError(str(e)) from None
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()

@@ -6,16 +6,25 @@ conversations through it: a non-loopback address is refused without an API
 key, and even with one it is plain HTTP, so say so loudly. Whatever the
 address, requests must name an allowed host (loopback names, the --host
 itself, --allowed-hosts): a web page cannot drive it through DNS rebinding.
+The chat page at / keeps its conversations in --sessions-dir, beside
+`chat --session`'s; --open opens it in the default browser.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import logging
+import socket
 import sys
+import threading
+import time
+import webbrowser
 from collections.abc import Callable
+from pathlib import Path
 
+from infemeral.client.session_store import SessionStore
 from infemeral.endpoint.app import create_app
+from infemeral.endpoint.conversations import Conversations
 from infemeral.endpoint.guard import LOOPBACK_NAMES
 from infemeral.endpoint.serving_models import bundle_model_name
 from infemeral.endpoint.session_pool import SessionPool
@@ -87,11 +96,40 @@ def check_server(client) -> None:
                                  "against; use the matching pair (`infemeral-client info`)")
 
 
+def page_host(host: str) -> str:
+    """The listen address as a browser on this machine reaches it (a wildcard address through loopback)."""
+    return "127.0.0.1" if is_wildcard(host) else host.strip("[]")
+
+
+def page_url(host: str, port: int) -> str:
+    """Where a browser on this machine finds the chat page."""
+    host = page_host(host)
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}/"
+
+
+def open_when_listening(host: str, port: int, timeout: float = 60.0) -> None:
+    """Open the chat page in the default browser once the endpoint accepts connections (a browser opened
+    sooner finds nothing there); give up quietly if it never does."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection((page_host(host), port), timeout=1).close()
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.1)
+    url = page_url(host, port)
+    if not webbrowser.open(url):
+        print(f"could not open a web browser: the chat page is at {url}", file=sys.stderr, flush=True)
+
+
 def serve(settings, open_client: Callable[[], object], sampling: Callable[[object], object],
-          server_address: str) -> int:
+          server_address: str, sessions_dir: str | Path | None = None) -> int:
     """Serve until interrupted, then delete the pool's sessions on the server. `open_client()` makes the
     infemeral Client (after the exposure check, so a refused address costs nothing); `sampling(client)` gives
-    the defaults for requests that leave values out."""
+    the defaults for requests that leave values out; `sessions_dir` keeps the chat page's conversations (None:
+    the page keeps none)."""
     import uvicorn
 
     check_exposure(settings.host, settings.api_key)
@@ -102,13 +140,17 @@ def serve(settings, open_client: Callable[[], object], sampling: Callable[[objec
         check_server(client)
         name = settings.model_name or bundle_model_name(client.bundle.directory)
         pool = SessionPool(client, max_sessions=settings.max_sessions)
+        conversations = None if sessions_dir is None else Conversations(
+            SessionStore(sessions_dir, client.bundle.server_fingerprint), pool)
         app = create_app(pool, name, api_key=settings.api_key, defaults=sampling(client), allowed_hosts=hosts,
-                         max_body_bytes=settings.max_body_bytes)
+                         max_body_bytes=settings.max_body_bytes, conversations=conversations)
         logging.getLogger("infemeral").setLevel(logging.INFO)
         host = f"[{settings.host}]" if ":" in settings.host else settings.host
         print(f"OpenAI-compatible endpoint: http://{host}:{settings.port}/v1 (model {name!r}), forwarding to "
               f"{server_address}; API key {'required' if settings.api_key else 'not required (loopback only)'}"
-              f"{'; also answers to Host ' + ', '.join(hosts) if hosts else ''}",
-              file=sys.stderr, flush=True)
+              f"{'; also answers to Host ' + ', '.join(hosts) if hosts else ''}; chat page: "
+              f"{page_url(settings.host, settings.port)}", file=sys.stderr, flush=True)
+        if settings.open:
+            threading.Thread(target=open_when_listening, args=(settings.host, settings.port), daemon=True).start()
         uvicorn.run(app, host=settings.host, port=settings.port, log_level="info", timeout_graceful_shutdown=30)
     return 0

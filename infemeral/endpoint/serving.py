@@ -16,17 +16,23 @@ from collections.abc import Callable, Iterator
 import anyio
 from starlette.concurrency import run_in_threadpool
 
-from infemeral.client.sampling import SamplingParams
+from infemeral.client.sampling import SPECULATE, SamplingParams
 from infemeral.client.session import Session
 from infemeral.endpoint.answer import Answer, AnswerStream, sse
 from infemeral.endpoint.errors import to_request_error
-from infemeral.endpoint.responses import ResponseBuilder, finish_reason, usage
+from infemeral.endpoint.responses import ResponseBuilder, answer_figures, finish_reason, usage
 from infemeral.endpoint.schema import RequestError
 from infemeral.endpoint.serving_models import ServingModels
 from infemeral.endpoint.session_pool import SessionPool
 from infemeral.errors import InfemeralError
 
 log = logging.getLogger(__name__)
+
+
+def speculate_modes(client) -> list[str]:
+    """The speculation modes a request may ask for: those whose draft sources the endpoint's Client holds."""
+    return [mode for mode in SPECULATE if (mode != "draft" or client.draft_model is not None)
+            and (mode != "head" or client.draft_head is not None)]
 
 
 class OpenAIServing:
@@ -45,7 +51,7 @@ class OpenAIServing:
         if not body.stream:
             result = await run_in_threadpool(self.run_whole, answer, started)
             return ResponseBuilder(self.kind, self.models.name).response(
-                echo + result.text, finish_reason(result), usage(len(answer.prompt_ids), result.generated_tokens))
+                echo + result.text, finish_reason(result), self.usage(answer, result))
         return await self.open_stream(answer, ResponseBuilder(self.kind, self.models.name), echo,
                                       body.include_usage, started)
 
@@ -54,25 +60,35 @@ class OpenAIServing:
         body.refuse_unsupported()
         self.models.check(body.model)
         params = self.sampling(body)
+        lease = self.lease(body)
         prompt_ids, start, echo = self.prompt(body, params)
         self.check_context(prompt_ids)
-        return Answer(self.pool, prompt_ids, start), echo
+        return Answer(self.pool, prompt_ids, start, **lease), echo
 
     def prompt(self, body, params: SamplingParams) -> tuple[list[int], Callable[[Session], Iterator[str]], str]:
         """What the endpoint reads from its request: the prompt's token ids, how a session answers it, and the
         text shown before the answer."""
         raise NotImplementedError
 
+    def lease(self, body) -> dict:
+        """How the request's session is leased, beyond its prompt (`Answer`'s keywords): by default, from the pool
+        by prefix alone."""
+        return {}
+
     # -- the request ----------------------------------------------------------------------------------
     def sampling(self, body) -> SamplingParams:
         """The request's sampling on top of the endpoint's defaults (flags, env, the model's generation config)."""
         given = {"temperature": body.temperature, "top_p": body.top_p, "seed": body.seed, "top_k": body.top_k,
-                 "repetition_penalty": body.repetition_penalty, "max_new_tokens": body.answer_tokens}
+                 "repetition_penalty": body.repetition_penalty, "max_new_tokens": body.answer_tokens,
+                 "speculate": body.speculate}
         params = {k: v for k, v in given.items() if v is not None}
         if params.get("top_p") == 0:  # a nucleus of mass 0 keeps only the most likely token
             params["temperature"], params["top_p"] = 0.0, 1.0
         if body.stop is not None:
             params["stop"] = body.stop_strings
+        if body.speculate is not None and body.speculate not in speculate_modes(self.client):
+            raise RequestError(400, f"speculate {body.speculate!r} needs a draft source this endpoint was not started "
+                                    f"with; it offers {', '.join(speculate_modes(self.client))}", param="speculate")
         try:
             return dataclasses.replace(self.defaults, **params)
         except ValueError as e:
@@ -133,8 +149,12 @@ class OpenAIServing:
         self._log(answer, result, started)
         yield sse(builder.chunk(None, finish_reason(result)))
         if include_usage:
-            yield sse(builder.usage_chunk(usage(len(answer.prompt_ids), result.generated_tokens)))
+            yield sse(builder.usage_chunk(self.usage(answer, result)))
         yield sse("[DONE]")
+
+    @staticmethod
+    def usage(answer: Answer, result) -> dict:
+        return usage(len(answer.prompt_ids), result.generated_tokens, answer_figures(result, answer.wire))
 
     def _log(self, answer: Answer, result, started: float) -> None:
         log.info("%s: %d prompt tokens (%d sent, %d dropped), %d generated, finish=%s, %.2f s", self.name,

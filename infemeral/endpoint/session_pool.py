@@ -13,6 +13,11 @@ different sessions, whose turns the server batches together. Beyond
 `max_sessions` the least recently used idle sessions are deleted on the server
 (best effort: one that cannot be deleted expires there after its TTL). Sessions
 in use are never evicted, so the pool may hold more while many requests run.
+
+A request may name a saved conversation (the chat page's, `conversations.py`):
+its session is then that conversation's alone, reused whatever it drops (a
+regenerated answer), loaded from its file when the pool holds none, and never
+deleted on the server when it leaves the pool: its file keeps it.
 """
 
 from __future__ import annotations
@@ -20,9 +25,10 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from infemeral.errors import InfemeralError
+from infemeral.errors import Aborted, InfemeralError
 from infemeral.kvcache.prefix import common_prefix
 
 log = logging.getLogger(__name__)
@@ -47,6 +53,7 @@ class SessionPool:
         self.stats = PoolStats()
         self._idle: OrderedDict[int, object] = OrderedDict()  # id(session) -> session, least recently used first
         self._busy: dict[int, object] = {}
+        self._conversations: dict[int, str] = {}  # id(session) -> the saved conversation it belongs to
         self._lock = threading.Lock()
 
     @property
@@ -59,16 +66,25 @@ class SessionPool:
         with self._lock:
             return len(self._busy)
 
-    def acquire(self, target_ids: list[int]):
-        """A session for a request whose prompt is `target_ids`, reserved until `release` or `discard`."""
+    def acquire(self, target_ids: list[int], conversation: str | None = None,
+                resume: Callable[[], object | None] | None = None):
+        """A session for a request whose prompt is `target_ids`, reserved until `release` or `discard`.
+
+        `conversation`: the saved conversation the request continues; its own session is the only one it
+        takes, and `resume()` gives it (or None: a new one) when the pool holds none."""
         with self._lock:
-            session = self._best_match(target_ids)
+            if conversation is None:
+                session = self._best_match(target_ids)
+            else:
+                session = self._of_conversation(conversation)
             if session is not None:
                 del self._idle[id(session)]
                 self.stats.num_reused += 1
             else:
-                session = self.client.new_session()
+                session = (resume() if resume else None) or self.client.new_session()
                 self.stats.num_opened += 1
+            if conversation is not None:
+                self._conversations[id(session)] = conversation
             self._busy[id(session)] = session
             evicted = self._over_bound()
         self._delete(evicted)
@@ -93,6 +109,24 @@ class SessionPool:
         if found is not None:
             self._delete([session])
 
+    def forget(self, conversation: str) -> None:
+        """Drop a saved conversation's session from the pool, leaving what the server stores to its file (the
+        caller deletes both); Aborted while it answers a request."""
+        with self._lock:
+            self._of_conversation(conversation)  # refuses a busy one
+            for key, name in list(self._conversations.items()):
+                if name == conversation:
+                    self._idle.pop(key, None)
+                    del self._conversations[key]
+
+    def rename(self, conversation: str, new_name: str) -> None:
+        """The saved conversation's session belongs to `new_name` from now on; Aborted while it answers."""
+        with self._lock:
+            self._of_conversation(conversation)
+            for key, name in self._conversations.items():
+                if name == conversation:
+                    self._conversations[key] = new_name
+
     def close(self) -> None:
         """Delete every idle session on the server (the keys live only in this process)."""
         with self._lock:
@@ -104,13 +138,25 @@ class SessionPool:
         """The idle session sharing the longest prefix with the request, if it keeps at least as much of its
         history as it would drop; None means: open a new session."""
         best, best_keep = None, -1
-        for session in self._idle.values():
+        for key, session in self._idle.items():
+            if key in self._conversations:
+                continue  # a saved conversation's session serves that conversation only
             keep = common_prefix(session.history_ids, target_ids)
             if keep > best_keep:
                 best, best_keep = session, keep
         if best is None or best_keep < len(best.history_ids) - best_keep:
             return None
         return best
+
+    def _of_conversation(self, conversation: str):
+        """The idle session of a saved conversation, if the pool holds one (under the lock); Aborted if it is
+        busy: two sessions for one conversation would leave one of them orphaned on the server."""
+        for key, name in self._conversations.items():
+            if name == conversation:
+                if key in self._busy:
+                    raise Aborted("this conversation is answering another request: stop that answer first")
+                return self._idle.get(key)
+        return None
 
     def _over_bound(self) -> list:
         """Take the least recently used idle sessions beyond the bound out of the pool (under the lock)."""
@@ -123,6 +169,10 @@ class SessionPool:
 
     def _delete(self, sessions: list) -> None:
         for session in sessions:
+            with self._lock:
+                is_saved = self._conversations.pop(id(session), None) is not None
+            if is_saved:
+                continue  # a saved conversation's: its file keeps it, and deleting it is the user's call
             if not session.version and session.pending_commit is None:
                 continue  # never committed: the server holds nothing
             try:

@@ -27,6 +27,8 @@ class ServeSettings(BaseSettings):
                     "web page from reaching the endpoint by DNS rebinding")
     max_body_bytes: int = Field(4 * 2**20, ge=1, description="largest request body accepted (bytes); a larger one is "
                                                              "answered 413 and never read whole")
+    open: bool = Field(False, description="open the chat page (http://HOST:PORT/) in the default web browser once "
+                                          "the endpoint listens")
 
     @field_validator("allowed_hosts", mode="before")
     @classmethod
