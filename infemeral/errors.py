@@ -54,6 +54,10 @@ class Aborted(StatusError):
     code = grpc.StatusCode.ABORTED
 
 
+class AlreadyExists(StatusError):
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
 class DataLoss(StatusError):
     code = grpc.StatusCode.DATA_LOSS
 
@@ -93,7 +97,7 @@ class NoChatTemplate(InfemeralError):
 
 
 _BY_CODE = {cls.code: cls for cls in (InvalidArgument, FailedPrecondition, PermissionDenied,
-                                     NotFound, Aborted, DataLoss, OutOfRange, Unavailable,
+                                     NotFound, AlreadyExists, Aborted, DataLoss, OutOfRange, Unavailable,
                                      ResourceExhausted, DeadlineExceeded)}
 
 

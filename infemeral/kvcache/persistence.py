@@ -17,10 +17,11 @@ commit are removed by the next one.
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import logging
 
-from infemeral.errors import Aborted, FailedPrecondition, NotFound
+from infemeral.errors import Aborted, AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from infemeral.kvcache import stored
 from infemeral.kvcache.sequence import KVSequence
 from infemeral.storage.base import SessionBusy, SessionLock, Store
@@ -122,6 +123,33 @@ class SessionPersistence:
             log.warning("lost the session lock before removing stale chunks; the next commit removes them")
         except store_errors():
             log.warning("could not remove stale chunks; the next commit retries")
+
+    def fork(self, source_id: bytes, source_keys: stored.SessionKeys, source_version: int, session_id: bytes,
+             keys: stored.SessionKeys, drop: int, lock: SessionLock) -> stored.Manifest:
+        """Store the source's committed cache, less its last `drop` positions, as the new session's version 1,
+        sealed under the new session's keys: the associated data binds the session id, so no chunk can be
+        copied as it is. One layer at a time is decrypted and sealed again; the caller holds both sessions'
+        locks, and nothing of the source changes."""
+        if source_version == 0:
+            raise FailedPrecondition("this session has nothing committed to fork yet; fork it after its first turn")
+        source = self.read_committed(source_id, source_keys, source_version)  # checks the key first
+        if self.store.read_manifest(session_id) is not None:
+            raise AlreadyExists("a session with the new session's id is already stored; fork under another id")
+        if drop > source.length:
+            raise InvalidArgument(f"cannot leave {drop} positions off a session that holds {source.length}")
+        stored.check_coverage(source)
+        length, chunks = source.length - drop, []
+        if length:
+            needed = [ref for ref in source.chunks if ref.start < length]
+            read = [(ref, self.store.read_chunk(source_id, ref.name)) for ref in needed]
+            layers = ((k[:, :length], v[:, :length]) for _, k, v in stored.decrypt_layers(read, source, source_keys))
+            ref, blob = stored.seal_layers(layers, source.first_layer, source.num_layers, keys, 0, length, 1)
+            self.store.write_chunk(session_id, ref.name, blob)
+            chunks = [ref]
+        manifest = dataclasses.replace(source, version=1, length=length, key_check=keys.key_check.hex(),
+                                       chunks=chunks, turn_id="")
+        self.store.commit_manifest(session_id, stored.seal_manifest(manifest, keys), lock)
+        return manifest
 
     def delete(self, session_id: bytes, keys: stored.SessionKeys) -> None:
         if self.read_manifest(session_id, keys) is None:

@@ -24,7 +24,7 @@ import os
 import queue
 import struct
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -143,15 +143,24 @@ def _segment_aad(keys: SessionKeys, layer: int, ref: ChunkRef) -> bytes:
 
 def seal_chunk(cache: KVSequence, keys: SessionKeys, start: int, end: int, version: int) -> tuple[ChunkRef, bytes]:
     """Encrypt tokens [start, end) of every layer of `cache` as one chunk."""
+    layers = (cache.layer_tensors(slot, start, end) for slot in range(cache.num_layers))
+    return seal_layers(layers, cache.first_layer, cache.num_layers, keys, start, end, version)
+
+
+def seal_layers(layers: Iterable[tuple[torch.Tensor, torch.Tensor]], first_layer: int, num_layers: int,
+                keys: SessionKeys, start: int, end: int, version: int) -> tuple[ChunkRef, bytes]:
+    """Encrypt each layer's (keys, values) for tokens [start, end), taken one layer at a time, as one chunk (a
+    fork seals what it decrypts layer by layer, never holding a whole cache in the clear)."""
     salt = os.urandom(16)
     ref = ChunkRef(f"chunk-{version:08d}-{salt.hex()[:12]}", start, end, version, salt.hex())
     aead = keys.object_key(b"chunk", salt)
-    parts = [_HEAD.pack(CHUNK_MAGIC, FORMAT_VERSION, cache.num_layers)]
-    for slot in range(cache.num_layers):
-        k, v = cache.layer_tensors(slot, start, end)
+    parts = [_HEAD.pack(CHUNK_MAGIC, FORMAT_VERSION, num_layers)]
+    for slot, (k, v) in enumerate(layers):
         plain = torch.stack([k, v]).contiguous().cpu().view(torch.uint8).numpy().tobytes()
-        ct = aead.encrypt(_nonce(slot), plain, _segment_aad(keys, cache.first_layer + slot, ref))
+        ct = aead.encrypt(_nonce(slot), plain, _segment_aad(keys, first_layer + slot, ref))
         parts += [_SEG_LEN.pack(len(ct)), ct]
+    if len(parts) != 1 + 2 * num_layers:
+        raise ValueError(f"sealed {(len(parts) - 1) // 2} layers of {num_layers}")
     return ref, b"".join(parts)
 
 
@@ -202,12 +211,8 @@ def decrypt_layers(chunks: list[tuple[ChunkRef, bytes | None]], manifest: Manife
         yield slot, kv[0], kv[1]
 
 
-def load_into(cache: KVSequence, chunks: list[tuple[ChunkRef, bytes | None]], manifest: Manifest,
-              keys: SessionKeys) -> None:
-    """Fill `cache` from decrypted chunks; decryption of layer i+1 overlaps the copy of layer i."""
-    if (manifest.first_layer, manifest.num_layers, manifest.kv_heads, manifest.head_dim) != \
-            (cache.first_layer, cache.num_layers, cache.kv_heads, cache.head_dim):
-        raise FailedPrecondition("stored session was made for different layers; was the server bundle replaced?")
+def check_coverage(manifest: Manifest) -> None:
+    """DATA_LOSS unless the manifest's chunks cover its tokens from 0, contiguously, to its length."""
     expected = 0
     for ref in manifest.chunks:
         if ref.start != expected:
@@ -215,6 +220,15 @@ def load_into(cache: KVSequence, chunks: list[tuple[ChunkRef, bytes | None]], ma
         expected = ref.end
     if expected != manifest.length:
         raise DataLoss("stored session's segments do not add up to its length; delete the session")
+
+
+def load_into(cache: KVSequence, chunks: list[tuple[ChunkRef, bytes | None]], manifest: Manifest,
+              keys: SessionKeys) -> None:
+    """Fill `cache` from decrypted chunks; decryption of layer i+1 overlaps the copy of layer i."""
+    if (manifest.first_layer, manifest.num_layers, manifest.kv_heads, manifest.head_dim) != \
+            (cache.first_layer, cache.num_layers, cache.kv_heads, cache.head_dim):
+        raise FailedPrecondition("stored session was made for different layers; was the server bundle replaced?")
+    check_coverage(manifest)
     if manifest.length == 0:
         cache.set_length(0)
         return

@@ -36,6 +36,7 @@ from infemeral.cloak.bundle import ServerBundle
 from infemeral.errors import Aborted, InvalidArgument, StatusError, Unavailable
 from infemeral.kvcache.paged import KVPages, PagePool
 from infemeral.kvcache.persistence import SessionPersistence
+from infemeral.kvcache.stored import Manifest
 from infemeral.kvcache.window import WindowPolicy
 from infemeral.layers.stack import LayerStack
 from infemeral.server.config import EngineConfig
@@ -250,6 +251,12 @@ class Engine:
 
     def delete_session(self, session_id: bytes, session_key: bytes) -> None:
         self.sessions.delete_session(session_id, session_key)
+
+    def fork_session(self, source_id: bytes, source_key: bytes, source_version: int, session_id: bytes,
+                     session_key: bytes, fingerprint: str, drop: int = 0, account: str | None = None) -> Manifest:
+        """`Sessions.fork_session`: store I/O and re-encryption (run it on a thread)."""
+        return self.sessions.fork_session(source_id, source_key, source_version, session_id, session_key,
+                                          fingerprint, drop, account)
 
     def release_leftover_locks(self) -> int:
         """`Sessions.release_leftover_locks`: how many failed lock releases are still left."""

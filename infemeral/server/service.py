@@ -6,7 +6,8 @@ stored session exactly as it was: the engine only writes on commit.
 
 Nothing here waits on a thread for a client: an open stream is a coroutine,
 so silent streams cost no worker, and server info (answered on the event loop)
-and deletes (on their own threads) answer whatever the turns do. Limits answer
+and deletes (on their own threads) answer whatever the turns do; a fork runs on a turn thread
+and holds a turn slot, as the new session's first turn would. Limits answer
 at once: past `max_streams` open Turn streams, or `max_sessions` open turns, a
 new one gets RESOURCE_EXHAUSTED with a `retry-after-ms` hint, never a queue;
 with several API keys, likewise past one key's share of either; without API keys,
@@ -105,6 +106,24 @@ class InfemeralService(pb_grpc.InfemeralServicer):
             log.error("delete failed session=%s status=UNAVAILABLE (store error: %s)", sid, type(e).__name__)
             await context.abort(grpc.StatusCode.UNAVAILABLE, "session store is unavailable; retry")
         return pb.DeleteSessionResponse()
+
+    async def ForkSession(self, request, context):
+        account = api_key_account(context)
+        if account is None:
+            account = peer_account(context.peer())
+        job = self.turn_executor.submit(
+            self.engine.fork_session, request.source_id, request.source_key, request.source_version,
+            request.session_id, request.session_key, request.bundle_fingerprint, request.drop, account)
+        sid = short_id(request.source_id) if request.source_id else "-"
+        try:
+            manifest = await asyncio.wrap_future(job)
+        except StatusError as e:
+            log.warning("fork refused source=%s status=%s", sid, e.code.name)
+            await abort(context, e)
+        except STORE_ERRORS as e:
+            log.error("fork failed source=%s status=UNAVAILABLE (store error: %s)", sid, type(e).__name__)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "session store is unavailable; retry")
+        return pb.ForkSessionResponse(version=manifest.version, cache_length=manifest.length)
 
     async def finish(self, timeout: float = 10.0) -> None:
         """Wait for the calls the server cancelled while stopping to close their turns."""

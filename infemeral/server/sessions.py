@@ -28,7 +28,7 @@ from collections.abc import Callable
 from infemeral.errors import Aborted, FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from infemeral.kvcache.paged import KVPages, PagedSequence, PagePool, PageShare
 from infemeral.kvcache.persistence import SessionPersistence
-from infemeral.kvcache.stored import SessionKeys
+from infemeral.kvcache.stored import Manifest, SessionKeys
 from infemeral.server.config import EngineConfig
 from infemeral.server.metrics import NullMetrics
 from infemeral.server.turn import Turn
@@ -213,14 +213,8 @@ class Sessions:
             return
         if can_wipe:  # otherwise the worker wipes them once it is done with this turn's step
             wipe_pages(turn)
-        try:
-            if turn.lock is not None:
-                turn.lock.release()
-        except Exception as e:  # noqa: BLE001 - the store is down: its lease on the session runs out by itself
-            log.warning("could not release the store's lock on session=%s (%s); it is released again when the "
-                        "store answers, or expires", short_id(turn.session_id), type(e).__name__)
-            with self._unreleased_lock:
-                self._unreleased[turn.session_id] = turn.lock
+        if turn.lock is not None:
+            self._release(turn.session_id, turn.lock)
         with self._active_lock:
             if self._active.get(turn.session_id) is turn:
                 del self._active[turn.session_id]
@@ -244,15 +238,52 @@ class Sessions:
         try:
             self.persistence.delete(session_id, SessionKeys.derive(session_id, session_key))
         finally:
-            try:
-                lock.release()
-            except Exception as e:  # noqa: BLE001 - as in close_turn
-                log.warning("could not release the store's lock after a delete (%s)", type(e).__name__)
-                with self._unreleased_lock:
-                    self._unreleased[session_id] = lock
+            self._release(session_id, lock)
         log.info("session deleted session=%s", short_id(session_id))
 
+    def fork_session(self, source_id: bytes, source_key: bytes, source_version: int, session_id: bytes,
+                     session_key: bytes, fingerprint: str, drop: int = 0, account: str | None = None) -> Manifest:
+        """Make the new session `session_id` from the committed `source_id`, less its last `drop` positions,
+        without its tokens crossing the wire again (`SessionPersistence.fork`; store I/O and decryption: run it
+        on a thread). The new session is claimed as a turn would claim it, so a fork counts against the turn
+        slots and the caller's limits like any turn; the source is held by its store lock as a turn holds it,
+        and refused while this server runs a turn of it."""
+        if len(source_id) != SESSION_ID_BYTES or len(source_key) != SESSION_KEY_BYTES:
+            raise InvalidArgument("source_id must be 16 bytes and source_key 32 bytes")
+        if source_id == session_id:
+            raise InvalidArgument("a fork needs a new session id of its own")
+        turn = self.claim_turn(session_id, session_key, fingerprint, account=account)
+        try:
+            with self._active_lock:
+                if source_id in self._active:
+                    raise SessionInTurn("the session to fork is in a turn; fork it when the turn has ended")
+            self._retry_release(source_id)
+            source_lock = self.persistence.lock(source_id)
+            try:
+                self._retry_release(session_id)
+                turn.lock = self.persistence.lock(session_id)
+                manifest = self.persistence.fork(source_id, SessionKeys.derive(source_id, source_key),
+                                                 source_version, session_id, turn.keys, drop, turn.lock)
+            finally:
+                self._release(source_id, source_lock)
+        finally:
+            self.close_turn(turn)
+        log.info("session forked source=%s session=%s length=%d", short_id(source_id), short_id(session_id),
+                 manifest.length)
+        return manifest
+
     # -- store locks whose release failed -------------------------------------------------------------
+    def _release(self, session_id: bytes, lock: SessionLock) -> None:
+        """Release a store lock; never raises. If the store is down, the release is retried when it answers
+        (its lease on the session runs out by itself meanwhile)."""
+        try:
+            lock.release()
+        except Exception as e:  # noqa: BLE001 - whoever releases goes on
+            log.warning("could not release the store's lock on session=%s (%s); it is released again when the "
+                        "store answers, or expires", short_id(session_id), type(e).__name__)
+            with self._unreleased_lock:
+                self._unreleased[session_id] = lock
+
     def _retry_release(self, session_id: bytes) -> None:
         """Release a lock on the session left over from a turn that closed while the store was down (store
         I/O; raises while the store is still down). The lock is fenced: it is removed only if still ours."""
