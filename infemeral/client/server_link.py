@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 
 from infemeral.cloak.manifest import client_manifest
-from infemeral.errors import from_rpc_error
+from infemeral.errors import StatusError, from_rpc_error
 from infemeral.protocol import pb, pb_grpc
 from infemeral.transport import client_channel
 
@@ -77,6 +77,17 @@ class ServerLink:
             self.stub.DeleteSession(pb.DeleteSessionRequest(session_id=session_id, session_key=key),
                                     timeout=self.timeout)
         except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+
+    def fork_session(self, request: pb.ForkSessionRequest, timeout: float) -> pb.ForkSessionResponse:
+        """Make a new session on the server from a committed one (`Session.fork`); `timeout`: the server
+        re-encrypts the whole cache, so this is no small call."""
+        try:
+            return self.stub.ForkSession(request, timeout=timeout)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+                raise StatusError(f"the server at {self.address} is older than this client and cannot fork "
+                                  "sessions; upgrade it, or start a new session", e.code()) from None
             raise from_rpc_error(e) from None
 
     def close(self) -> None:

@@ -23,14 +23,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from infemeral.client import session_file
-from infemeral.client.pending import PendingCommit
+from infemeral.client.pending import PendingCommit, committed_copy
 from infemeral.client.result import TurnResult
 from infemeral.client.sampling import SamplingParams
 from infemeral.client.session_file import SavedSession
 from infemeral.client.stream import open_turn
 from infemeral.client.turn import TurnLoop
 from infemeral.client.upload import ProgressCallback
-from infemeral.errors import Aborted, InfemeralError
+from infemeral.errors import Aborted, FailedPrecondition, InfemeralError
 from infemeral.kvcache.cache import KVCache
 from infemeral.kvcache.prefix import common_prefix
 from infemeral.protocol import pb
@@ -49,6 +49,9 @@ class Session:
         self.version = 0
         self.history_ids: list[int] = []  # tokens in the committed caches, client-side only
         self.messages: list[dict] = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        # (tokens of history_ids, messages) as each committed turn still in the caches left them: where a fork
+        # may cut (`fork(at_turn=)`)
+        self.turn_ends: list[tuple[int, int]] = []
         self.cache = client.model.new_cache()
         self._busy = threading.Lock()
         self._forks: dict[str, tuple[object, DraftSource]] = {}  # this session's own forks of the client's draft
@@ -173,15 +176,26 @@ class Session:
         keep = common_prefix(self.history_ids, target_ids)
         if keep == len(target_ids):  # always send at least one token to get logits
             keep -= 1
-        evicted = len(self.history_ids) - self.cache.length
-        if evicted > 0 and keep < sink_tokens + evicted:
+        if not self._tail_drops_to(keep, sink_tokens):
             return 0, self.cache.length
         return keep, len(self.history_ids) - keep
+
+    def _tail_drops_to(self, keep: int, sink_tokens: int) -> bool:
+        """Whether dropping the cache's tail leaves it holding the history's first `keep` tokens as they were:
+        not once the window has evicted tokens at or after the sinks' end up to `keep` (the cache then holds
+        the sinks and the most recent tokens only, moved to new positions)."""
+        evicted = len(self.history_ids) - self.cache.length
+        return evicted <= 0 or keep >= sink_tokens + evicted
 
     # -- how a turn ended ---------------------------------------------------------------------------
     def committed(self, version: int, history_ids: list[int], messages: list[dict], result: TurnResult) -> None:
         """A turn committed: both caches are at `version`, holding `history_ids`; `messages` is the transcript."""
         self.cache.commit()
+        shared_tokens = common_prefix(self.history_ids, history_ids)
+        shared_messages = common_prefix(self.messages, messages)
+        self.turn_ends = [(tokens, count) for tokens, count in self.turn_ends
+                          if tokens <= shared_tokens and count <= shared_messages]
+        self.turn_ends.append((len(history_ids), len(messages)))
         self.version, self.history_ids, self.messages, self.last_result = version, history_ids, messages, result
 
     def keep_in_doubt(self, turn_id: bytes, history_ids: list[int], messages: list[dict],
@@ -200,6 +214,60 @@ class Session:
             self.cache.rollback()
 
     # -- lifecycle ----------------------------------------------------------------------------
+    def fork(self, at_turn: int | None = None, *, keep_tokens: int | None = None) -> "Session":
+        """A new session (its own id and key) holding this one's committed conversation, made on the pod from
+        the stored cache: nothing is uploaded again, so a second conversation about a long document starts at
+        once. This session is left as it is.
+
+        `at_turn`: keep only the first `at_turn` turns (1 = the first exchange), to edit or regenerate a later
+        message: the fork continues exactly as a session that only ever had those turns. `keep_tokens` instead:
+        keep the first `keep_tokens` tokens of `history_ids` (what a whole transcript shares with them, as the
+        OpenAI endpoint finds it), and the messages of the turns they hold whole. Refused (FailedPrecondition)
+        where the window has already evicted tokens of what would be kept, or while this session's last commit
+        is unconfirmed (a turn settles it first)."""
+        self.claim()
+        try:
+            if self.pending_commit is not None:
+                raise FailedPrecondition("this session's last commit is unconfirmed; run a turn (it asks the server "
+                                         "first) before forking it")
+            if not self.version:
+                raise FailedPrecondition("this session has nothing committed to fork yet; fork it after its first "
+                                         "turn")
+            if at_turn is not None and keep_tokens is not None:
+                raise InfemeralError("fork takes at_turn or keep_tokens, not both")
+            keep_messages = len(self.messages)
+            if at_turn is not None:
+                if not 1 <= at_turn <= len(self.turn_ends):
+                    raise InfemeralError(f"at_turn={at_turn}: this session holds turns 1 to {len(self.turn_ends)} "
+                                         "(a session saved by an older version knows only the turns since)")
+                keep_tokens, keep_messages = self.turn_ends[at_turn - 1]
+            elif keep_tokens is None:
+                keep_tokens = len(self.history_ids)
+            elif not 1 <= keep_tokens <= len(self.history_ids):
+                raise InfemeralError(f"keep_tokens={keep_tokens}: this session holds 1 to {len(self.history_ids)}")
+            else:
+                keep_messages = max([count for tokens, count in self.turn_ends if tokens <= keep_tokens], default=0)
+            drop = len(self.history_ids) - keep_tokens
+            if drop and not self._tail_drops_to(keep_tokens, self.client.server_info().sink_tokens):
+                raise FailedPrecondition("the window has evicted tokens of what the fork would keep: that prefix is "
+                                         "gone from the caches; start a new session with those messages instead")
+            fork = Session(self.client)
+            reply = self.client.link.fork_session(pb.ForkSessionRequest(
+                source_id=self.id, source_key=self.key, source_version=self.version,
+                bundle_fingerprint=self.client.bundle.server_fingerprint, session_id=fork.id, session_key=fork.key,
+                drop=drop), timeout=self.client.timeout)
+            length = self.cache.length - drop
+            if reply.cache_length != length:
+                raise Aborted(f"the server's fork holds {reply.cache_length} tokens but the client's {length}; "
+                              "the session file is out of date")
+            fork.cache = committed_copy(self.cache, length)
+            fork.version, fork.history_ids = reply.version, self.history_ids[:keep_tokens]
+            fork.messages = [dict(m) for m in self.messages[:keep_messages]]
+            fork.turn_ends = [end for end in self.turn_ends if end[0] <= keep_tokens and end[1] <= keep_messages]
+            return fork
+        finally:
+            self.release()
+
     def delete(self) -> None:
         """Remove the session's stored state from the server."""
         self.client.link.delete_session(self.id, self.key)
@@ -209,7 +277,7 @@ class Session:
         """Write the session (id, key, version, transcript, local cache, and a turn whose commit is still
         unconfirmed) to an owner-only file."""
         saved = SavedSession(self.id, self.key, self.version, self.history_ids, self.messages, self.cache,
-                             self.pending_commit)
+                             self.pending_commit, self.turn_ends)
         return session_file.save(path, saved, self.client.bundle.server_fingerprint)
 
     @classmethod
@@ -218,5 +286,5 @@ class Session:
         saved = session_file.load(path, client.bundle.server_fingerprint, client.model.new_cache)
         session = cls(client, session_id=saved.id, key=saved.key)
         session.version, session.history_ids, session.messages = saved.version, saved.history_ids, saved.messages
-        session.cache, session.pending_commit = saved.cache, saved.pending_commit
+        session.cache, session.pending_commit, session.turn_ends = saved.cache, saved.pending_commit, saved.turn_ends
         return session

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import struct
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -38,6 +38,8 @@ class SavedSession:
     messages: list[dict]
     cache: KVCache          # only its committed positions are saved
     pending_commit: PendingCommit | None
+    # (tokens, messages) at the end of each turn still in the caches (`Session.turn_ends`); none in older files
+    turn_ends: list[tuple[int, int]] = field(default_factory=list)
 
 
 def save(path: str | Path, saved: SavedSession, server_fingerprint: str) -> Path:
@@ -49,7 +51,7 @@ def save(path: str | Path, saved: SavedSession, server_fingerprint: str) -> Path
     meta = {"format": FORMAT, "format_version": VERSION, "server_fingerprint": server_fingerprint,
             "id": saved.id.hex(), "key": saved.key.hex(), "version": saved.version,
             "history_ids": saved.history_ids, "messages": saved.messages, "cache_length": cache.committed_length,
-            "pending": pending.metadata() if pending else None}
+            "pending": pending.metadata() if pending else None, "turn_ends": saved.turn_ends}
     tensors = {}
     for slot in range(cache.num_layers):
         k, v = cache.layer_tensors(slot, 0, cache.committed_length)
@@ -76,7 +78,7 @@ def load(path: str | Path, server_fingerprint: str, new_cache: Callable[[], KVCa
     cache.set_length(meta.get("cache_length", len(meta["history_ids"])))
     pending = PendingCommit.from_saved(meta["pending"], tensors, new_cache()) if meta.get("pending") else None
     return SavedSession(bytes.fromhex(meta["id"]), bytes.fromhex(meta["key"]), meta["version"], meta["history_ids"],
-                        meta["messages"], cache, pending)
+                        meta["messages"], cache, pending, [tuple(end) for end in meta.get("turn_ends", [])])
 
 
 def identity(path: str | Path, server_fingerprint: str) -> tuple[bytes, bytes, int]:

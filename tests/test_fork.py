@@ -1,0 +1,221 @@
+"""A session forked on the pod (docs/design.md §7): the prefix is not uploaded again, the copy is sealed under the
+new session's id and key, the source is left as it was, and the fork continues exactly as the original would.
+
+The store's part runs on small in-memory caches; the rest against a real server with the default model in
+float32, where "exactly" is checked by content: tokens, the client's caches and the server's decrypted caches.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from conftest import StoredSession, start_server
+from test_store import FP, LAYERS, Conversation, new_cache, stored_files
+
+from infemeral.client.client import Client
+from infemeral.client.sampling import SamplingParams
+from infemeral.errors import (Aborted, AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied,
+                              ResourceExhausted)
+from infemeral.kvcache import stored
+from infemeral.protocol import pb
+from infemeral.storage.open import open_store
+
+
+# -- the store: a copy sealed under the new session ------------------------------------------------------
+@pytest.fixture
+def store(tmp_path):
+    s = open_store(tmp_path / "store")
+    yield s
+    s.close()
+
+
+def fork(source: Conversation, drop: int = 0, *, key: bytes | None = None, version: int | None = None,
+         target: Conversation | None = None) -> Conversation:
+    """Fork `source` through SessionPersistence as the server does (both locks held); the fork as a Conversation."""
+    target = target or Conversation(source.store)
+    source_lock, lock = source.p.lock(source.id), target.p.lock(target.id)
+    try:
+        keys = source.keys if key is None else stored.SessionKeys.derive(source.id, key)
+        target.manifest = source.p.fork(source.id, keys, source.manifest.version if version is None else version,
+                                        target.id, target.keys, drop, lock)
+    finally:
+        lock.release()
+        source_lock.release()
+    return target
+
+
+def layers(cache) -> list[torch.Tensor]:
+    return [t[..., :cache.length, :] for slot in range(cache.num_layers) for t in cache.layer_tensors(slot)]
+
+
+@pytest.mark.parametrize("drop", [0, 9])
+def test_a_fork_holds_the_sources_cache_under_its_own_id_and_key(store, drop):
+    """Three chunks forked whole, or less the last 9 positions (into the second chunk): the fork loads the
+    source's tensors, as version 1, in one chunk bound to its own id; the source's stored bytes are unchanged."""
+    source = Conversation(store)
+    for n in (5, 8, 6):
+        source.turn(n)
+    before = stored_files(store, source.id)
+    copy = fork(source, drop)
+    assert stored_files(store, source.id) == before
+    assert copy.manifest.version == 1 and copy.manifest.length == 19 - drop
+    assert [(r.start, r.end) for r in copy.manifest.chunks] == [(0, 19 - drop)]
+    expected = source.cache.clone()
+    expected.truncate(drop)
+    loaded = copy.load()
+    assert loaded.length == 19 - drop
+    for got, want in zip(layers(loaded), layers(expected), strict=True):
+        assert torch.equal(got, want)
+    source.assert_loads_equal()
+    # the fork's chunk read as the source's (its id in the associated data) fails
+    chunk = store.read_chunk(copy.id, copy.manifest.chunks[0].name)
+    with pytest.raises(Exception, match="failed authentication"):
+        list(stored.decrypt_layers([(copy.manifest.chunks[0], chunk)], copy.manifest, source.keys))
+    copy.cache = loaded  # and it goes on as a session of its own
+    copy.turn(3)
+    copy.assert_loads_equal()
+
+
+def test_a_fork_is_refused_cleanly(store):
+    """Wrong key, stale version, no source, nothing committed, a target that exists, too many positions dropped:
+    each refused with its status, nothing written for the target and the source unchanged."""
+    source = Conversation(store)
+    source.turn(4)
+    source.turn(2)
+    before = stored_files(store, source.id)
+    cases = [(PermissionDenied, "session key does not match", dict(key=os.urandom(32))),
+             (Aborted, "stored session is at version 2 but the client expects version 1", dict(version=1)),
+             (FailedPrecondition, "nothing committed", dict(version=0)),
+             (InvalidArgument, "cannot leave 7 positions off a session that holds 6", dict(drop=7))]
+    for error, message, options in cases:
+        target = Conversation(store)
+        with pytest.raises(error, match=message):
+            fork(source, target=target, **options)
+        assert store.read_manifest(target.id) is None and store.list_chunks(target.id) == []
+    taken = Conversation(store)
+    taken.turn(1)
+    taken_before = stored_files(store, taken.id)
+    with pytest.raises(AlreadyExists):
+        fork(source, target=taken)
+    assert stored_files(store, taken.id) == taken_before
+    missing = Conversation(store)
+    missing.manifest = source.manifest
+    with pytest.raises(NotFound):
+        fork(missing)
+    assert stored_files(store, source.id) == before
+
+
+# -- against a real server ----------------------------------------------------------------------------
+GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0, speculate="off")
+DOCUMENT = ("The lighthouse at Alexandria stood on the island of Pharos for more than a thousand years. Its keeper "
+            "lit a fire at the top every night, and ships steered by it into the harbour. ") * 2
+
+
+@pytest.fixture(scope="module")
+def pod(bundles, tmp_path_factory):
+    """A server with two API keys (two turn slots each) and a 256-token window; a client per key."""
+    root = tmp_path_factory.mktemp("fork-store")
+    srv = start_server(bundles, root, api_keys="key-a,key-b", max_sessions=4, max_context=256, sink_tokens=4,
+                       page_size=16, verify_bundle=False)
+    clients = [Client(f"127.0.0.1:{srv.port}", bundles.client_dir, timeout=120, api_key=key)
+               for key in ("key-a", "key-b")]
+    yield srv, root, clients
+    for c in clients:
+        c.close()
+    srv.stop(0)
+
+
+def server_cache(srv, session) -> list[torch.Tensor]:
+    """The server's cache of `session`, decrypted with its key: keys and values per layer."""
+    persistence = srv.engine.persistence
+    keys = stored.SessionKeys.derive(session.id, session.key)
+    manifest = persistence.read_manifest(session.id, keys)
+    chunks = [(ref, persistence.store.read_chunk(session.id, ref.name)) for ref in manifest.chunks]
+    return [t.clone() for _, k, v in stored.decrypt_layers(chunks, manifest, keys) for t in (k, v)]
+
+
+def assert_same(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x, y)
+
+
+def assert_same_sessions(srv, a, b) -> None:
+    """Same history, transcript, client cache and server cache, by content."""
+    assert a.history_ids == b.history_ids and a.messages == b.messages
+    assert_same(layers(a.cache), layers(b.cache))
+    assert_same(server_cache(srv, a), server_cache(srv, b))
+
+
+@pytest.mark.slow
+def test_a_fork_continues_exactly_as_the_original_and_leaves_it_untouched(pod):
+    srv, root, (client, _) = pod
+    original, control = client.new_session(), client.new_session()
+    for s in (original, control):
+        s.chat(DOCUMENT + "Who lit the fire?", GREEDY)
+    stored_before = StoredSession(root, original.id).read_bytes()
+    copy = original.fork()
+    assert StoredSession(root, original.id).read_bytes() == stored_before  # nothing of the source changed
+    assert (copy.id, copy.key) != (original.id, original.key) and copy.version == 1
+    assert_same_sessions(srv, copy, original)
+    answers = [s.chat("Where did it stand?", GREEDY) for s in (original, copy, control)]
+    assert answers[0].token_ids == answers[1].token_ids == answers[2].token_ids
+    assert answers[1].prompt_tokens == answers[0].prompt_tokens  # the fork sent only the new message
+    assert_same_sessions(srv, copy, original)
+    assert_same_sessions(srv, original, control)
+
+
+@pytest.mark.slow
+def test_a_fork_at_a_turn_continues_as_a_session_that_only_had_those_turns(pod):
+    srv, _, (client, _) = pod
+    questions = ("Name a colour.", "Name a fruit.", "Name a city.")
+    original, reference = client.new_session(system_prompt="Answer briefly."), client.new_session(
+        system_prompt="Answer briefly.")
+    for q in questions:
+        original.chat(q, GREEDY)
+    for q in questions[:2]:
+        reference.chat(q, GREEDY)
+    copy = original.fork(at_turn=2)
+    assert copy.turn_ends == reference.turn_ends and len(copy.messages) == 5
+    assert_same_sessions(srv, copy, reference)
+    answers = [s.chat("Name an animal.", GREEDY) for s in (copy, reference)]
+    assert answers[0].token_ids == answers[1].token_ids
+    assert_same_sessions(srv, copy, reference)
+    assert len(original.messages) == 7 and original.version == 3  # the original keeps its third turn
+
+
+@pytest.mark.slow
+def test_a_fork_is_refused_for_a_wrong_key_an_evicted_prefix_and_past_the_quota(pod):
+    srv, _, (a, b) = pod
+    session = a.new_session()
+    session.chat("Name a colour.", GREEDY)
+    # the wrong key: what a turn with it gets
+    request = dict(source_id=session.id, source_version=1, bundle_fingerprint=a.bundle.server_fingerprint,
+                   session_id=os.urandom(16), session_key=os.urandom(32))
+    with pytest.raises(PermissionDenied, match="session key does not match this session's stored state"):
+        a.link.fork_session(pb.ForkSessionRequest(source_key=os.urandom(32), **request), timeout=30)
+    with pytest.raises(Aborted, match="already stored|expects version"):
+        a.link.fork_session(pb.ForkSessionRequest(source_key=session.key, **{**request, "source_version": 2}),
+                            timeout=30)
+    # past the window: the first turn's tokens were evicted, so a fork at it is refused; a whole fork is not
+    long = session.chat(DOCUMENT * 3 + "Summarise.", SamplingParams(max_new_tokens=2, temperature=0.0))
+    assert long.evicted_tokens > 0 or len(session.history_ids) > session.cache.length
+    with pytest.raises(FailedPrecondition, match="prefix is gone"):
+        session.fork(at_turn=1)
+    assert session.fork().cache.length == session.cache.length
+    # the quota: key a holds its two turn slots, so its fork is refused at once; key b's is served
+    other = b.new_session()
+    other.chat("Name a fruit.", GREEDY)
+    held = [a.new_session().stream("Tell me a long story.", SamplingParams(max_new_tokens=200)) for _ in range(2)]
+    try:
+        for h in held:
+            next(h)
+        with pytest.raises(ResourceExhausted, match="this API key has its limit of 2 turns"):
+            session.fork()
+        assert other.fork().version == 1
+    finally:
+        for h in held:
+            h.close()
+    assert session.fork().version == 1  # the slots are back
