@@ -7,18 +7,28 @@ float32, where "exactly" is checked by content: tokens, the client's caches and 
 
 from __future__ import annotations
 
+import argparse
+import io
 import os
 
 import pytest
 import torch
 from conftest import StoredSession, start_server
+from http_endpoint import Uvicorn
 from test_store import FP, LAYERS, Conversation, new_cache, stored_files
 
+from infemeral.cli.chat_repl import ChatRepl
+from infemeral.cli.commands import _fork_source, session_path
 from infemeral.client.client import Client
 from infemeral.client.sampling import SamplingParams
+from infemeral.client.session import Session
+from infemeral.client.settings import ClientSettings
+from infemeral.endpoint.app import create_app
+from infemeral.endpoint.session_pool import MIN_FORK_TOKENS, SessionPool
 from infemeral.errors import (Aborted, AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied,
-                              ResourceExhausted)
+                              ResourceExhausted, UsageError)
 from infemeral.kvcache import stored
+from infemeral.kvcache.prefix import common_prefix
 from infemeral.protocol import pb
 from infemeral.storage.open import open_store
 
@@ -219,3 +229,120 @@ def test_a_fork_is_refused_for_a_wrong_key_an_evicted_prefix_and_past_the_quota(
         for h in held:
             h.close()
     assert session.fork().version == 1  # the slots are back
+
+
+# -- the command line: chat --from NAME -----------------------------------------------------------------
+def test_chat_from_is_refused_before_anything_loads(tmp_path):
+    settings = ClientSettings(sessions_dir=tmp_path, chat_history="")
+    (tmp_path / "work.session").write_bytes(b"")
+    (tmp_path / "taken.session").write_bytes(b"")
+
+    def source(**given):
+        args = argparse.Namespace(**{"from_session": "work", "session": None, "system": None, **given})
+        return _fork_source(settings, args, session_path(settings, args.session) if args.session else None)
+
+    assert source() == tmp_path / "work.session" and source(session="new") == tmp_path / "work.session"
+    for given, message in ((dict(from_session="nothing"), "no saved session named 'nothing'"),
+                           (dict(session="taken"), "pick a new name for --session"),
+                           (dict(system="Be brief."), "drop --system")):
+        with pytest.raises(UsageError, match=message):
+            source(**given)
+
+
+@pytest.mark.slow
+def test_chat_from_continues_a_copy_and_leaves_the_saved_session(pod):
+    srv, root, (client, _) = pod
+    settings = ClientSettings(sessions_dir=root / "saved", chat_history="")
+    saved = client.new_session()
+    saved.chat(DOCUMENT + "Who lit the fire?", GREEDY)
+    source = saved.save(settings.sessions_dir / "work.session")
+    source_bytes, stored_bytes = source.read_bytes(), StoredSession(root, saved.id).read_bytes()
+    copy_path = settings.sessions_dir / "q2.session"
+    repl = ChatRepl(client, settings, session_name="q2", session_path=copy_path, fork_of=source,
+                    stream=io.StringIO("Where did it stand?\n"), params=GREEDY)
+    assert repl.run() == 0
+    copy = Session.load(client, copy_path)
+    assert copy.id != saved.id and copy.version == 2 and copy.messages[:2] == saved.messages
+    assert copy.messages[2]["content"] == "Where did it stand?"
+    assert copy.history_ids[:len(saved.history_ids)] == saved.history_ids
+    assert source.read_bytes() == source_bytes and StoredSession(root, saved.id).read_bytes() == stored_bytes
+    assert saved.chat("Where did it stand?", GREEDY).text == copy.messages[3]["content"]
+
+
+# -- the OpenAI endpoint: a request that departs from a pooled conversation forks it ---------------------
+QUESTION_A = "Tell me, in some detail, how the keeper spent each night and what he saw from the top. " * 8
+
+
+@pytest.mark.slow
+def test_an_edited_message_forks_the_pooled_conversation_instead_of_uploading_it(client, monkeypatch):
+    """Conversation A asks a long question about a document; request B asks another about the same document
+    (A's question edited): the pool forks A at the document instead of opening a session that uploads it again,
+    B sends only its new tokens, and A is left as it was and continues where it stood."""
+    import openai
+
+    pool = SessionPool(client, max_sessions=4)
+    http = Uvicorn(create_app(pool, "fork-test", defaults=SamplingParams(max_new_tokens=4, temperature=0.0)))
+    forks = []
+    fork = pool.fork
+    monkeypatch.setattr(pool, "fork", lambda *a, **kw: forks.append(fork(*a, **kw)) or forks[-1])
+    try:
+        api = openai.OpenAI(base_url=http.url, api_key="unused", max_retries=0)
+        ask = lambda messages: api.chat.completions.create(model="fork-test", messages=messages, max_tokens=4)  # noqa: E731
+        a = [{"role": "user", "content": DOCUMENT + QUESTION_A}]
+        a.append({"role": "assistant", "content": ask(a).choices[0].message.content})
+        (original,) = pool._idle.values()
+        history, version = list(original.history_ids), original.version
+        b = [{"role": "user", "content": DOCUMENT + "Where did it stand?"}]
+        assert ask(b).choices[0].message.content
+        assert pool.stats.num_forked == 1 and pool.stats.num_opened == 1 and len(forks) == 1
+        target = client.chat_ids(b)
+        shared = common_prefix(history, target)
+        assert shared >= MIN_FORK_TOKENS and forks[0].last_result.prompt_tokens == len(target) - shared
+        assert original.history_ids == history and original.version == version  # A as it was
+        ask(a + [{"role": "user", "content": "And then?"}])
+        assert original.version == version + 1 and pool.stats.num_reused == 1  # A went on in its own session
+    finally:
+        http.stop()
+        pool.close()
+
+
+class PooledSession:
+    """A committed session as the pool sees it; `fork` records its arguments (or fails, if told to)."""
+
+    def __init__(self, history, refuse: bool = False):
+        self.history_ids, self.version, self.pending_commit, self.refuse = list(history), 1, None, refuse
+        self.forked_at: list[int] = []
+
+    def fork(self, at_turn=None, *, keep_tokens=None):
+        if self.refuse:
+            raise FailedPrecondition("the window has evicted tokens of what the fork would keep")
+        self.forked_at.append(keep_tokens)
+        return PooledSession(self.history_ids[:keep_tokens])
+
+
+class PoolClient:
+    def __init__(self):
+        self.opened = []
+
+    def new_session(self):
+        self.opened.append(PooledSession([]))
+        self.opened[-1].version = 0
+        return self.opened[-1]
+
+
+def test_the_pool_forks_a_long_shared_prefix_it_would_otherwise_upload_again():
+    document, tail = list(range(100)), [500] * 150  # A keeps 100 tokens and would drop 150: not continued
+    client = PoolClient()
+    pool = SessionPool(client, max_sessions=4)
+    a = PooledSession(document + tail)
+    pool._idle[id(a)] = a
+    got = pool.acquire(document + [7, 8])
+    assert a.forked_at == [100] and got.history_ids == document and not client.opened
+    assert pool.stats.num_forked == 1 and pool.num_busy == 1 and pool.acquire(document + tail + [1]) is a
+    pool.release(a)
+    # a short shared prefix is sent again, in a new session
+    assert pool.acquire(document[:MIN_FORK_TOKENS - 1] + [9] * 300) is client.opened[0] and a.forked_at == [100]
+    # a refused fork (the window evicted the prefix) opens a new session too, and leaves A idle
+    b = PooledSession(document + tail, refuse=True)
+    pool._idle = type(pool._idle)({id(b): b})
+    assert pool.acquire(document + [7]) is client.opened[1] and pool.acquire(document + tail + [2]) is b

@@ -147,11 +147,12 @@ class ChatRepl:
     def __init__(self, client, settings, *, session_name: str | None = None, session_path: Path | None = None,
                  system: str | None = None, verbose: bool = False,
                  report: Callable[[object, bool], None] = lambda result, verbose: None, stream=None,
-                 params=None):
+                 params=None, fork_of: Path | None = None):
         from infemeral.client.sampling import generation_defaults
 
         self.client, self.settings = client, settings
         self.session_name, self.path, self.system = session_name, session_path, system
+        self.fork_of = fork_of  # a saved session this chat continues a copy of (`chat --from`)
         self.verbose, self.report = verbose, report
         self.params = params or settings.sampling(generation_defaults(client.bundle.generation_config()))
         self.reader = LineReader(stream, settings.chat_history)
@@ -269,6 +270,13 @@ class ChatRepl:
     def _open_session(self):
         from infemeral.client.session import Session
 
+        if self.fork_of is not None:
+            session = Session.load(self.client, self.fork_of).fork()
+            self._say(f"continuing a copy of session {self.fork_of.stem!r} ({len(session.messages)} messages), made "
+                      "on the server; that session stays as it was")
+            if self.path is not None:
+                session.save(self.path)  # the copy's key is in this process only until it is saved
+            return session
         if self.path is not None and self.path.exists():
             session = Session.load(self.client, self.path)
             self._say(f"resumed session {self.session_name!r} ({len(session.messages)} messages)")

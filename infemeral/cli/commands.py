@@ -211,11 +211,29 @@ def chat(args) -> int:
 
     settings = _answer_settings(args)
     path = session_path(settings, args.session) if args.session else None
+    source = _fork_source(settings, args, path)
     say_loading(settings.client_bundle)  # before the heavy imports: the first sign of life comes at once
     with open_client(settings) as client:
         params = _sampling(settings, client, is_answer=True)
         return ChatRepl(client, settings, session_name=args.session, session_path=path, system=args.system,
-                        verbose=args.verbose, report=_report, params=params).run()
+                        verbose=args.verbose, report=_report, params=params, fork_of=source).run()
+
+
+def _fork_source(settings: ClientSettings, args, path: Path | None) -> Path | None:
+    """The saved session `chat --from NAME` continues a copy of; refused before anything loads if it does not
+    exist, or if --session names one that does (a fork starts a new session)."""
+    if not args.from_session:
+        return None
+    source = session_path(settings, args.from_session)
+    if not source.exists():
+        raise UsageError(f"--from: no saved session named {args.from_session!r} in {settings.sessions_dir}")
+    if path is not None and path.exists():
+        raise UsageError(f"--from makes a new session, and a session named {args.session!r} is saved already: "
+                         "pick a new name for --session")
+    if args.system:
+        raise UsageError("--from continues the saved session's conversation, its system prompt included: drop "
+                         "--system")
+    return source
 
 
 def serve(args) -> int:

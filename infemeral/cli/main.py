@@ -43,6 +43,7 @@ first steps:
   infemeral-server --bundle ~/.local/share/infemeral/bundles/default/server &
   infemeral-client generate "What is the capital of France?"
   infemeral-client chat --session work           # resumable chat
+  infemeral-client chat --from work --session q2  # a second conversation from where `work` is
   infemeral-client audit "My SSN is 078-05-1120"  # what could the pod learn from this prompt?
   infemeral-client train-drafter                 # a draft head for the model: faster open chat over a WAN
   infemeral-client prepare --server-quant int4   # served layers in int4 (~{INT4_OF_BF16} of bf16); warns if
@@ -136,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "server) is reported and leaves the conversation as it was. Answers are sampled "
                                    "(see below); --greedy decodes greedily.")
     c.add_argument("--session", help="name of a saved session to resume or create")
+    c.add_argument("--from", dest="from_session", metavar="NAME",
+                   help="continue a copy of the saved session NAME, made on the server: its conversation is not "
+                        "uploaded again, and NAME stays as it was; saved as --session if given, which must be new")
     c.add_argument("--system", help="system prompt for a new session")
     add_settings_flags(c, ClientSettings, ("sessions_dir", "chat_history"))
     _connection_and_sampling(c)

@@ -8,7 +8,10 @@ common-prefix rewind sends only the new tokens (and drops a tail that differs,
 say a regenerated answer). A session is never reused for a different
 conversation: if the best one would have to drop more of its history than it
 keeps, the request gets a new session and the old one stays for its own
-conversation. One request at a time per session; concurrent requests get
+conversation — forked from it on the pod where they share at least
+`MIN_FORK_TOKENS` (an edited earlier message, a second question about the
+same document), so the shared prefix is not uploaded again and the old
+session stays as it was. One request at a time per session; concurrent requests get
 different sessions, whose turns the server batches together. Beyond
 `max_sessions` the least recently used idle sessions are deleted on the server
 (best effort: one that cannot be deleted expires there after its TTL). Sessions
@@ -33,6 +36,8 @@ from infemeral.kvcache.prefix import common_prefix
 
 log = logging.getLogger(__name__)
 
+MIN_FORK_TOKENS = 32  # a request sharing fewer tokens with every idle session sends them again instead of forking
+
 
 @dataclass
 class PoolStats:
@@ -40,6 +45,7 @@ class PoolStats:
 
     num_opened: int = 0    # requests that got a new session
     num_reused: int = 0    # requests that continued an idle session
+    num_forked: int = 0    # requests that got a fork of an idle session (`fork`)
     num_evicted: int = 0   # sessions deleted to stay within the bound
     num_discarded: int = 0  # sessions dropped because their state went wrong
 
@@ -72,6 +78,10 @@ class SessionPool:
 
         `conversation`: the saved conversation the request continues; its own session is the only one it
         takes, and `resume()` gives it (or None: a new one) when the pool holds none."""
+        if conversation is None:
+            forked = self._fork_for(target_ids)
+            if forked is not None:
+                return forked
         with self._lock:
             if conversation is None:
                 session = self._best_match(target_ids)
@@ -89,6 +99,29 @@ class SessionPool:
             evicted = self._over_bound()
         self._delete(evicted)
         return session
+
+    def fork(self, source, *, at_turn: int | None = None, keep_tokens: int | None = None,
+             conversation: str | None = None):
+        """A fork of the pool's idle session `source` (`Session.fork`), reserved like `acquire`'s answer (for the
+        saved `conversation`, if given); `source` is held while the pod copies it, then idle again, as it was.
+        Aborted if `source` is answering a request."""
+        with self._lock:
+            if id(source) not in self._idle:
+                raise Aborted("that conversation is answering another request: stop that answer first")
+            del self._idle[id(source)]
+            self._busy[id(source)] = source
+        try:
+            forked = source.fork(at_turn, keep_tokens=keep_tokens)
+        finally:
+            self.release(source)
+        with self._lock:
+            self.stats.num_forked += 1
+            if conversation is not None:
+                self._conversations[id(forked)] = conversation
+            self._busy[id(forked)] = forked
+            evicted = self._over_bound()
+        self._delete(evicted)
+        return forked
 
     def release(self, session) -> None:
         """Give a session back after its request, whatever the turn did: a turn that failed left the
@@ -147,6 +180,28 @@ class SessionPool:
         if best is None or best_keep < len(best.history_ids) - best_keep:
             return None
         return best
+
+    def _fork_for(self, target_ids: list[int]):
+        """A fork of the idle session sharing the longest prefix with the request, where none may be continued
+        as it is (`_best_match`) and that prefix is at least `MIN_FORK_TOKENS`; None otherwise, or if the fork
+        is refused (the window evicted that prefix, the pod is at its limits): the request then opens a session."""
+        with self._lock:
+            if self._best_match(target_ids) is not None:
+                return None
+            source, keep = None, MIN_FORK_TOKENS - 1
+            for key, session in self._idle.items():
+                shared = common_prefix(session.history_ids, target_ids[:-1])  # a turn sends at least one token
+                if key not in self._conversations and session.version and shared > keep:
+                    source, keep = session, shared
+        if source is None:
+            return None
+        try:
+            return self.fork(source, keep_tokens=keep)
+        except InfemeralError as e:
+            code = getattr(getattr(e, "code", None), "name", type(e).__name__)
+            log.info("could not fork the session sharing %d tokens with a request (%s); it opens a new one", keep,
+                     code)
+            return None
 
     def _of_conversation(self, conversation: str):
         """The idle session of a saved conversation, if the pool holds one (under the lock); Aborted if it is
