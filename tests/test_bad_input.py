@@ -293,6 +293,22 @@ STEP_CASES = {
         [pb.TurnRequest(step=pb.Step(hidden=to_proto(rows(1, c.hidden), E4M3), cache_length=c.history,
                                      answer_dtype="float16"))],
         grpc.StatusCode.INVALID_ARGUMENT, "answer_dtype 'float16'", "this server's (float32)"),
+    "draft tree with a parent per row missing": lambda c: _case(
+        [pb.TurnRequest(step=pb.Step(hidden=_valid(c, 3), cache_length=c.history, parents=[-1, 0]))],
+        grpc.StatusCode.INVALID_ARGUMENT, "one parent per row: 2 parents for 3 rows"),
+    "draft tree whose first row is not the root": lambda c: _case(
+        [pb.TurnRequest(step=pb.Step(hidden=_valid(c, 2), cache_length=c.history, parents=[0, 0]))],
+        grpc.StatusCode.INVALID_ARGUMENT, "parents[0] must be -1"),
+    "draft tree with a parent after its child": lambda c: _case(
+        [pb.TurnRequest(step=pb.Step(hidden=_valid(c, 3), cache_length=c.history, parents=[-1, 2, 0]))],
+        grpc.StatusCode.INVALID_ARGUMENT, "parents[1] = 2: every row's parent must be an earlier row"),
+    "keeping positions out of order after a tree": lambda c: _case(
+        [pb.TurnRequest(step=pb.Step(hidden=_valid(c, 3), cache_length=c.history, parents=[-1, 0, 0])),
+         pb.TurnRequest(truncate=pb.Truncate(tokens=3, cache_length=c.history + 3, keep=[2, 0]))],
+        grpc.StatusCode.INVALID_ARGUMENT, "Truncate.keep must list ascending offsets among the 3 positions"),
+    "keeping a position it does not drop": lambda c: _case(
+        [pb.TurnRequest(truncate=pb.Truncate(tokens=1, cache_length=c.history, keep=[0, 1]))],
+        grpc.StatusCode.INVALID_ARGUMENT, "Truncate.keep must list ascending offsets among the 1 positions"),
     "second open": lambda c: _case(
         [c.open()], grpc.StatusCode.INVALID_ARGUMENT, "unexpected message 'open'"),
     "empty message": lambda c: _case(

@@ -26,6 +26,7 @@ class SamplingParams:
     # conversation and earlier answers), "draft" (also a local draft model), "head" (a draft head) or "off"
     speculate: str = "auto"
     max_draft: int = 8        # most drafted tokens per step (the adaptive length stays below it)
+    draft_trees: bool = True  # a draft head may send a tree of candidates where the server verifies trees
 
     def __post_init__(self):
         if self.max_new_tokens < 1:

@@ -40,7 +40,7 @@ from infemeral.client.text import TextStream
 from infemeral.client.upload import ProgressCallback
 from infemeral.errors import Aborted
 from infemeral.protocol import pb
-from infemeral.speculation.acceptance import accept_drafts
+from infemeral.speculation.acceptance import accept_drafts, accept_tree
 from infemeral.speculation.speculator import Speculator
 
 log = logging.getLogger(__name__)
@@ -183,11 +183,21 @@ class TurnLoop:
         """Send `last` (sampled, not yet in the caches) plus drafts; the accepted drafts and the next token."""
         context = self.link.ids + [last]
         budget = self.params.max_new_tokens - len(self.generated) - 1  # drafts past the answer's end are waste
-        proposal = self.speculator.propose(context, max(min(budget, self.link.draft_room()), 0))
-        logits = self.link.step([last] + proposal.drafts, num_outputs=len(proposal.drafts) + 1)
-        new = accept_drafts(self.sampler, logits, context, proposal.drafts)
+        link = self.link
+        proposal = self.speculator.propose(context, max(min(budget, link.draft_room()), 0),
+                                           trees=link.draft_trees and self.params.draft_trees)
+        if proposal.parents is None:
+            logits = link.step([last] + proposal.drafts, num_outputs=len(proposal.drafts) + 1)
+            new = accept_drafts(self.sampler, logits, context, proposal.drafts)
+            features = link.features[:len(new)]
+        else:  # a draft tree: the accepted path is kept in both caches, every other row dropped
+            logits = link.step([last] + proposal.drafts, num_outputs=len(proposal.drafts) + 1,
+                               parents=proposal.parents)
+            new, rows = accept_tree(self.sampler, logits, context, [last] + proposal.drafts, proposal.parents)
+            features = link.features[rows]
+            link.keep_path(rows)
         self.speculator.verified(proposal, new)
-        self.speculator.observed(context + new[:-1], self.link.features[:len(new)])  # the verified positions
+        self.speculator.observed(context + new[:-1], features)  # the verified positions
         self.result.add_step(len(proposal.drafts), len(new) - 1)
         return new
 

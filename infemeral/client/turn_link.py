@@ -52,7 +52,10 @@ class TurnLink:
         self.committed: KVCache | None = None  # the committed cache, copied before it is first rewritten
         self.features: torch.Tensor | None = None  # the last step's outputs as the LM head reads them [n, d]
         self.num_evicted = 0                   # tokens the window dropped during this turn
+        self.draft_trees = info.draft_trees    # the server verifies draft trees (else chains only)
         self._pending_drop = 0                 # positions dropped here whose Truncate goes out with the next message
+        self._pending_keep: list[int] = []     # ...but for these offsets among them (a tree's accepted path)
+        self._tree_step: tuple[int, int, int] | None = None  # the last step's tree: (cache start, ids start, rows)
 
     # -- limits ------------------------------------------------------------------------------------
     @property
@@ -76,12 +79,18 @@ class TurnLink:
         return min(room, self.max_context - length - 1)
 
     # -- steps -------------------------------------------------------------------------------------
-    def step(self, ids: list[int], num_outputs: int = 1, num_logits: int | None = None) -> torch.Tensor:
+    def step(self, ids: list[int], num_outputs: int = 1, num_logits: int | None = None,
+             parents: list[int] | None = None) -> torch.Tensor:
         """Run `ids` through both halves; the logits [num_logits, vocab] of the last positions (of all
-        `num_outputs` outputs unless fewer are asked for). `features` keeps every output's feature."""
+        `num_outputs` outputs unless fewer are asked for). `features` keeps every output's feature. With
+        `parents` (the server must take draft trees) the ids are a draft tree (layers/draft_tree.py), all of
+        whose rows stay in the caches until `keep_path` keeps the accepted ones."""
         drop = self._flush_drop()
         before = self.cache.length
-        sent = self._send_step(ids, num_outputs)
+        if parents is not None and not self.draft_trees:
+            raise ValueError("this server verifies chains only (ServerInfo.draft_trees); send the step without parents")
+        self._tree_step = None if parents is None else (self.cache.length, len(self.ids), len(ids))
+        sent = self._send_step(ids, num_outputs, parents=parents)
         if drop:
             self._check_truncated(self.stream.receive("truncated"), before)
         self._answered(sent, self.stream.receive("step"))
@@ -123,7 +132,8 @@ class TurnLink:
             self.features = torch.cat(kept)
         return self.model.project(self.features[-1:])[-1]
 
-    def _send_step(self, ids: list[int], num_outputs: int, keep_features: int = 0) -> SentStep:
+    def _send_step(self, ids: list[int], num_outputs: int, keep_features: int = 0,
+                   parents: list[int] | None = None) -> SentStep:
         """Slide the window if the step needs it, run the laptop's layers, send the step; what to expect back."""
         cache, model, window = self.cache, self.model, self.window
         before = cache.length
@@ -132,10 +142,10 @@ class TurnLink:
             self._keep_committed()
             apply_window(cache, window, len(ids), model.inv_freq)
             self.num_evicted += evict
-        hidden = model.cloak(ids, cache)
+        hidden = model.cloak(ids, cache, parents)
         self.stream.send(pb.TurnRequest(step=pb.Step(hidden=self._encode(hidden), cache_length=before,
                                                      evict=evict, outputs=num_outputs if num_outputs > 1 else 0,
-                                                     answer_dtype=self.wire.answer)))
+                                                     answer_dtype=self.wire.answer, parents=parents or [])))
         return SentStep(list(ids), cache.length, evict, num_outputs, keep_features)
 
     def _encode(self, hidden: torch.Tensor) -> pb.Tensor:
@@ -191,7 +201,25 @@ class TurnLink:
         if drop > 0:
             self.cache.truncate(drop)
             self.ids = self.ids[:length]
-            self._pending_drop += drop
+            if drop <= len(self._pending_keep):  # the tail of a kept tree path: keep less of it
+                self._pending_keep = self._pending_keep[:len(self._pending_keep) - drop]
+            else:
+                self._pending_drop += drop - len(self._pending_keep)
+                self._pending_keep = []
+
+    def keep_path(self, rows: list[int]) -> None:
+        """After a draft tree's step: keep its `rows` (ascending: the root, then each accepted child), moved to
+        consecutive positions, and drop its other rows — here at once, on the server with the next message
+        (a Truncate whose `keep` lists them). Their keys were rotated for base + depth, which is where they
+        land, so nothing is re-rotated."""
+        if self._tree_step is None:
+            raise RuntimeError("keep_path follows a draft tree's step")
+        start, ids_start, num_rows = self._tree_step
+        self._tree_step = None
+        self.cache.keep_positions(start, list(rows))
+        step_ids = self.ids[ids_start:]
+        self.ids = self.ids[:ids_start] + [step_ids[r] for r in rows]
+        self._pending_drop, self._pending_keep = num_rows, list(rows)
 
     def commit(self) -> int:
         """Ask the server to commit the turn (after any pending drop); the session's new version."""
@@ -207,9 +235,11 @@ class TurnLink:
     # -- helpers -----------------------------------------------------------------------------------
     def _flush_drop(self) -> int:
         """Send the pending Truncate ahead of the next message (its reply is read after that message's)."""
-        drop, self._pending_drop = self._pending_drop, 0
+        drop, keep = self._pending_drop, self._pending_keep
+        self._pending_drop, self._pending_keep = 0, []
         if drop:
-            self.stream.send(pb.TurnRequest(truncate=pb.Truncate(tokens=drop, cache_length=self.cache.length + drop)))
+            self.stream.send(pb.TurnRequest(truncate=pb.Truncate(
+                tokens=drop, cache_length=self.cache.length + drop - len(keep), keep=keep)))
         return drop
 
     def _check_truncated(self, reply, expected: int) -> None:

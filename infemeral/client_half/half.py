@@ -121,10 +121,11 @@ class ClientModel:
         return self.layers.new_cache()
 
     @torch.inference_mode()
-    def cloak(self, token_ids: list[int], cache: KVCache) -> torch.Tensor:
-        """Embed new tokens, run the local layers, and rotate into the secret basis: [n, d]."""
+    def cloak(self, token_ids: list[int], cache: KVCache, parents: list[int] | None = None) -> torch.Tensor:
+        """Embed new tokens, run the local layers, and rotate into the secret basis: [n, d]. With `parents` the
+        tokens are a draft tree (layers/draft_tree.py)."""
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        hidden = self.layers(self.embed.lookup(ids), cache)
+        hidden = self.layers(self.embed.lookup(ids), cache, parents)
         return self._to_secret(hidden)
 
     @torch.inference_mode()

@@ -13,6 +13,20 @@ from __future__ import annotations
 import torch
 
 
+def check_kept(span: int, offsets: list[int]) -> None:
+    """Offsets kept among the last `span` positions must ascend and lie inside them."""
+    if any(b <= a for a, b in zip(offsets, offsets[1:])) or (offsets and not 0 <= offsets[0] <= offsets[-1] < span):
+        raise ValueError(f"positions to keep {offsets} must ascend within the last {span}")
+
+
+def unmoved(offsets: list[int]) -> int:
+    """How many kept positions stay where they are (the leading offsets 0, 1, …)."""
+    n = 0
+    while n < len(offsets) and offsets[n] == n:
+        n += 1
+    return n
+
+
 class KVCache:
     """Keys/values for layers [first_layer, first_layer + num_layers), shape [1, kv_heads, T, head_dim]."""
 
@@ -81,6 +95,19 @@ class KVCache:
             raise ValueError(f"cannot drop {tokens} tokens from a cache of {self.length}")
         self.length -= tokens
         self.committed_length = min(self.committed_length, self.length)
+
+    def keep_positions(self, start: int, offsets: list[int]) -> None:
+        """Of the positions from `start` on, keep those at `offsets` (ascending) and drop the rest: the kept ones
+        move down to start, start + 1, … (a draft tree's accepted path; their keys were rotated for those
+        positions already, so they move as they are)."""
+        check_kept(self.length - start, offsets)
+        index = torch.tensor([start + o for o in offsets], dtype=torch.long, device=self.device)
+        end = start + len(offsets)
+        for store in (self._k, self._v):
+            for t in store:
+                t[:, :, start:end] = t.index_select(2, index)
+        self.length = end
+        self.committed_length = min(self.committed_length, start + unmoved(offsets))
 
     def evict(self, start: int, count: int, rekey) -> None:
         """Drop positions [start, start + count) and move later ones down; `rekey` re-positions moved keys."""

@@ -34,6 +34,9 @@ import time
 import torch
 
 from infemeral.errors import ResourceExhausted
+from infemeral.kvcache.cache import check_kept, unmoved
+from infemeral.kvcache.window import unchanged
+from infemeral.layers.draft_tree import depths
 
 
 class PoolExhausted(ResourceExhausted):
@@ -330,6 +333,23 @@ class PagedSequence:
         self.committed_length = min(self.committed_length, self.length)
         self._trim()
 
+    def keep_positions(self, start: int, offsets: list[int]) -> None:
+        """Of the positions from `start` on, keep those at `offsets` (ascending), moved down to start, start + 1,
+        … as they are (a draft tree's accepted path), and free the pages past them. Runs of consecutive offsets
+        move together; each run's target lies before its source, so nothing is overwritten before it is read."""
+        check_kept(self.length - start, offsets)
+        j = 0
+        while j < len(offsets):
+            run = 1
+            while j + run < len(offsets) and offsets[j + run] == offsets[j] + run:
+                run += 1
+            if offsets[j] != j:
+                self.kv.move(self.pages, start + offsets[j], start + offsets[j] + run, start + j, unchanged)
+            j += run
+        self.length = start + len(offsets)
+        self.committed_length = min(self.committed_length, start + unmoved(offsets))
+        self._trim()
+
     def evict(self, start: int, count: int, rekey) -> None:
         """Drop positions [start, start + count), move later ones down (re-keyed), free whole pages."""
         if start + count > self.length:
@@ -364,11 +384,15 @@ class PagedBatch:
     without a device sync per layer.
     """
 
-    def __init__(self, kv: KVPages, sequences: list[PagedSequence], new_tokens: list[int], backend):
+    def __init__(self, kv: KVPages, sequences: list[PagedSequence], new_tokens: list[int], backend,
+                 trees: list[list[int] | None] | None = None):
+        """`trees`: per sequence, the parents of a draft tree its new tokens form (draft_tree.py), or None for
+        a chain; a tree's rows sit at the sequence's length + their depth and the backend masks them."""
         self.kv, self.sequences, self.new_tokens, self.backend = kv, sequences, new_tokens, backend
+        self.trees = list(trees) if trees is not None else [None] * len(sequences)
         page = kv.page_size
         qo, kvp, indices, last, pages, offsets, positions = [0], [0], [], [], [], [], []
-        for seq, n in zip(sequences, new_tokens):
+        for seq, n, tree in zip(sequences, new_tokens, self.trees):
             total = seq.length + n
             used = pages_for(total, page)
             if used > len(seq.pages):
@@ -379,7 +403,7 @@ class PagedBatch:
             qo.append(qo[-1] + n)
             pages += [seq.pages[t // page] for t in range(seq.length, total)]
             offsets += [t % page for t in range(seq.length, total)]
-            positions += range(seq.length, total)
+            positions += range(seq.length, total) if tree is None else [seq.length + d for d in depths(tree)]
         # The CSR description stays on the host (int32, as FlashInfer's plan() reads it there); only what the
         # layers index with goes to the device, in one transfer each.
         self.qo_indptr = torch.tensor(qo, dtype=torch.int32)

@@ -132,7 +132,8 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
-    def forward(self, hidden_states, position_embeddings, past_key_values=None, **kwargs) -> torch.Tensor:
+    def forward(self, hidden_states, position_embeddings, past_key_values=None, attention_mask=None,
+                **kwargs) -> torch.Tensor:
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
         query = self.q_proj(hidden_states).view(hidden_shape)
@@ -144,7 +145,7 @@ class Attention(nn.Module):
         query, key = apply_rotary(query, key, *position_embeddings)
         if past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx)
-        out, _ = cache_attention(self, query, key, value, None, scaling=self.scaling,
+        out, _ = cache_attention(self, query, key, value, attention_mask, scaling=self.scaling,
                                  sliding_window=self.sliding_window, **kwargs)
         return self.o_proj(out.reshape(*input_shape, -1).contiguous())
 
@@ -176,7 +177,7 @@ class DecoderLayer(nn.Module):
                 position_embeddings=None, **kwargs) -> torch.Tensor:
         residual = hidden_states
         hidden_states = self.self_attn(self.input_layernorm(hidden_states), position_embeddings,
-                                       past_key_values, **kwargs)
+                                       past_key_values, attention_mask, **kwargs)
         hidden_states = residual + hidden_states
         residual = hidden_states
         hidden_states = self.mlp(self.post_attention_layernorm(hidden_states))

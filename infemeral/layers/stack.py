@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from infemeral.kvcache.cache import KVCache
-from infemeral.layers import architecture, plain_decoder
+from infemeral.layers import architecture, draft_tree, plain_decoder
 from infemeral.layers.attention import NAME as ATTENTION
 from infemeral.layers.few_rows import use_few_rows
 
@@ -74,15 +74,22 @@ class LayerStack(torch.nn.Module):
                        head_dim(self.config), self.dtype, self.device, capacity)
 
     @torch.inference_mode()
-    def forward(self, hidden: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """Run new positions [n, hidden] through every layer, appending to `cache`."""
+    def forward(self, hidden: torch.Tensor, cache: KVCache, parents: list[int] | None = None) -> torch.Tensor:
+        """Run new positions [n, hidden] through every layer, appending to `cache`. With `parents` the rows are
+        a draft tree (draft_tree.py): each at the cache's length + its depth, reading the cache, its ancestors
+        and itself."""
         n = hidden.shape[0]
         x = hidden.to(self.device, self.dtype).unsqueeze(0)
-        positions = torch.arange(cache.length, cache.length + n, device=self.device).unsqueeze(0)
+        mask = None
+        if parents is None:
+            positions = torch.arange(cache.length, cache.length + n, device=self.device).unsqueeze(0)
+        else:
+            positions = draft_tree.tree_positions(parents, cache.length, self.device)
+            mask = draft_tree.tree_attention_mask(parents, cache.length, self.device)
         cos_sin = self.rotary(x, positions)
         cache.begin_step()
         for layer in self.layers:
-            x = layer(x, attention_mask=None, position_ids=positions, position_embeddings=cos_sin,
+            x = layer(x, attention_mask=mask, position_ids=positions, position_embeddings=cos_sin,
                       **{architecture.cache_keyword(layer): cache})
         cache.finish_step(n)
         return x[0]

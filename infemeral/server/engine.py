@@ -38,6 +38,7 @@ from infemeral.kvcache.paged import KVPages, PagePool
 from infemeral.kvcache.persistence import SessionPersistence
 from infemeral.kvcache.stored import Manifest
 from infemeral.kvcache.window import WindowPolicy
+from infemeral.layers.draft_tree import check_parents, is_chain
 from infemeral.layers.stack import LayerStack
 from infemeral.server.config import EngineConfig
 from infemeral.server.metrics import NullMetrics
@@ -189,19 +190,31 @@ class Engine:
         """`Sessions.load_turn`: store lock, page quota, decryption (run it on a thread)."""
         self.sessions.load_turn(turn, expected_version, pending_turn_id, reserve_tokens)
 
+    @property
+    def draft_trees(self) -> bool:
+        """Whether steps may carry draft trees (ServerInfo.draft_trees)."""
+        return self.runner.draft_trees
+
     def submit_step(self, turn: Turn, hidden: torch.Tensor, cache_length: int, num_outputs: int = 1,
-                    num_evicted: int = 0) -> Future:
+                    num_evicted: int = 0, parents: list[int] | None = None) -> Future:
         """Queue new positions [n, d] for the served layers; the future resolves to a `StepOutput`.
 
         Everything the client claims is checked here, before anything moves: its view of the cache
-        length, the outputs it asks for, and the eviction its window makes before this step. Never
-        blocks; keeping the session's store lease alive (`Turn.refresh_lock`) is the caller's job."""
+        length, the outputs it asks for, the eviction its window makes before this step, and the draft tree
+        its positions form (`parents`, if any). Never blocks; keeping the session's store lease alive
+        (`Turn.refresh_lock`) is the caller's job."""
         num_tokens = hidden.shape[0]
         turn.require_open()
+        if parents:
+            if not self.draft_trees:
+                raise InvalidArgument("this server verifies chains only (ServerInfo.draft_trees is false): send "
+                                      "the step without parents")
+            check_parents(parents, num_tokens)
         turn.check_cache_length(cache_length)
         num_outputs = turn.check_outputs(num_tokens, num_outputs)
         turn.check_evict(num_evicted, self.window.tokens_to_evict(turn.cache.length, num_tokens))
-        step = StepRequest(turn, hidden, num_tokens, num_outputs, num_evicted, answer_dtype=hidden.dtype)
+        step = StepRequest(turn, hidden, num_tokens, num_outputs, num_evicted, answer_dtype=hidden.dtype,
+                           parents=list(parents) if parents and not is_chain(parents) else None)
         self._submit(step)
         return step.future
 
@@ -222,24 +235,25 @@ class Engine:
         turn.refresh_lock()
         return self.submit_step(turn, hidden, cache_length, num_outputs, num_evicted).result()
 
-    def submit_truncate(self, turn: Turn, num_tokens: int, cache_length: int) -> Future:
-        """Drop the last `num_tokens` positions (rejected drafts, a re-tokenised tail); the future resolves to
-        the new length. Checked here; the pages are freed (and zeroed) on the worker, between batches."""
+    def submit_truncate(self, turn: Turn, num_tokens: int, cache_length: int, keep: list[int] = ()) -> Future:
+        """Drop the last `num_tokens` positions (rejected drafts, a re-tokenised tail) but those at offsets
+        `keep` among them (a draft tree's accepted path), which move down in order; the future resolves to the
+        new length. Checked here; the pages are freed (and zeroed) on the worker, between batches."""
         turn.require_open()
         turn.check_cache_length(cache_length)
-        turn.check_truncate(num_tokens)
+        turn.check_truncate(num_tokens, list(keep))
 
         def truncate() -> int:
-            turn.cache.truncate(num_tokens)
+            turn.cache.keep_positions(turn.cache.length - num_tokens, list(keep))
             return turn.cache.length
 
         job = WorkerJob(truncate, turn)
         self._submit(job)
         return job.future
 
-    def truncate(self, turn: Turn, num_tokens: int, cache_length: int) -> int:
+    def truncate(self, turn: Turn, num_tokens: int, cache_length: int, keep: list[int] = ()) -> int:
         """`submit_truncate`, and wait for the new length."""
-        return self.submit_truncate(turn, num_tokens, cache_length).result()
+        return self.submit_truncate(turn, num_tokens, cache_length, keep).result()
 
     def commit(self, turn: Turn) -> int:
         """`Sessions.commit`: store what changed; the session's next version."""
@@ -363,7 +377,7 @@ class Engine:
     def _run_batch(self, batch: list[StepRequest]) -> None:
         try:
             outputs = self.runner.run([s.turn.cache for s in batch], [s.hidden for s in batch],
-                                      [s.num_outputs for s in batch])
+                                      [s.num_outputs for s in batch], [s.parents for s in batch])
         except Exception as e:  # noqa: BLE001 - out of memory, a driver error: fail this batch, serve on
             log.error("a forward pass of %d steps failed: %s", len(batch), type(e).__name__)
             error = e if isinstance(e, StatusError) else Unavailable(

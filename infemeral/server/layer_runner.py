@@ -50,6 +50,7 @@ class LayerRunner:
             log.info("served layers %s; linears by kernel: %s", self.quant.describe(),
                      ", ".join(f"{kind} {n}" for kind, n in kernels_in_use(self.layers).items()))
         model = bundle.config
+        self.sliding_window = served_window(bundle)
         window = config.window
         self.inv_freq = (rope_shift_frequencies(self.layers.rotary, model, window.max_context)
                          if window.enabled else None)  # pure RoPE angles, for re-keying after evictions
@@ -62,13 +63,14 @@ class LayerRunner:
             self.backend = self_check.checked_attention(config.attention_backend, self.backend, self.device,
                                                         model.num_attention_heads, model.num_key_value_heads,
                                                         head_dim(model), window.page_size, self.dtype,
-                                                        served_window(bundle))
+                                                        self.sliding_window)
 
-    def run(self, caches: list[PagedSequence], hidden: list[torch.Tensor],
-            num_outputs: list[int]) -> list[torch.Tensor | None]:
+    def run(self, caches: list[PagedSequence], hidden: list[torch.Tensor], num_outputs: list[int],
+            trees: list[list[int] | None] | None = None) -> list[torch.Tensor | None]:
         """Append each step's positions to its cache; return its last `num_outputs` residuals, on the CPU,
-        or None for a step whose activations overflowed to inf/NaN anywhere (outputs or keys/values)."""
-        batch = PagedBatch(self.kv, caches, [h.shape[0] for h in hidden], self.backend)
+        or None for a step whose activations overflowed to inf/NaN anywhere (outputs or keys/values). `trees`:
+        per step, the parents of the draft tree its positions form (None: a chain)."""
+        batch = PagedBatch(self.kv, caches, [h.shape[0] for h in hidden], self.backend, trees)
         out = self.forward(torch.cat([h.to(self.dtype) for h in hidden]), batch)  # [sum n_i, d]
         ends = batch.qo_indptr.tolist()[1:]
         is_finite = self._finite_steps(batch, out, [0] + ends)
@@ -77,6 +79,12 @@ class LayerRunner:
         answers = out.index_select(0, torch.tensor(rows, device=out.device)).to("cpu")
         # each session's rows in a tensor of its own
         return [a.clone() if ok else None for a, ok in zip(answers.split(num_outputs), is_finite)]
+
+    @property
+    def draft_trees(self) -> bool:
+        """Whether steps may carry draft trees: the backend takes a tree mask and no served layer attends with a
+        sliding window (a tree's mask and a window do not combine)."""
+        return bool(getattr(self.backend, "draft_trees", False)) and self.sliding_window is None
 
     def new_kv_pages(self, *args) -> KVPages:
         """The keys and values in the pages (a tensor-parallel runner's send their reads and writes to the other

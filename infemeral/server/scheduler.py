@@ -47,6 +47,7 @@ class StepRequest:
     num_outputs: int
     num_evicted: int            # validated against the window when the step arrived
     answer_dtype: Any = None    # the dtype the answer goes back in (the step's own); None: the server's
+    parents: list[int] | None = None  # a draft tree's parent rows (checked on arrival); None: a chain
     future: Future = field(default_factory=Future)
     is_started: bool = False    # its window has slid; it cannot be undone
     waiting_since: float | None = None

@@ -92,7 +92,8 @@ class InfemeralService(pb_grpc.InfemeralServicer):
             sink_tokens=e.window.sink_tokens, page_size=e.window.page_size,
             max_message_bytes=self.max_message_bytes, server_version=__version__,
             protocol_version=PROTOCOL_VERSION, turn_idle_seconds=self.limits.turn_idle_seconds,
-            max_turn_seconds=self.limits.max_turn_seconds, bundle_unverified=not self.bundle_verified)
+            max_turn_seconds=self.limits.max_turn_seconds, bundle_unverified=not self.bundle_verified,
+            draft_trees=e.draft_trees)
 
     async def DeleteSession(self, request, context):
         job = self.delete_executor.submit(self.engine.delete_session, request.session_id, request.session_key)

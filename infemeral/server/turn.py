@@ -81,9 +81,13 @@ class Turn:
             raise Aborted(f"client's window evicts {num_evicted} tokens before this step but the server's evicts "
                           f"{expected}; do client and server use the same window settings?")
 
-    def check_truncate(self, num_tokens: int) -> None:
+    def check_truncate(self, num_tokens: int, keep: list[int] = ()) -> None:
+        """`num_tokens` within the cache; `keep` (a draft tree's accepted path) ascending offsets among them."""
         if num_tokens > self.cache.length:
             raise InvalidArgument(f"cannot drop {num_tokens} tokens from a cache of {self.cache.length}")
+        if any(b <= a for a, b in zip(keep, keep[1:])) or any(k >= num_tokens for k in keep):
+            raise InvalidArgument(f"Truncate.keep must list ascending offsets among the {num_tokens} positions "
+                                  "it drops")
 
     @property
     def is_lock_refresh_due(self) -> bool:

@@ -161,7 +161,8 @@ class TurnCall:
             elif kind == "step":
                 await self._send(await self._step(request.step))
             elif kind == "truncate":  # the pages are freed on the engine's worker, between batches
-                future = self.engine.submit_truncate(turn, request.truncate.tokens, request.truncate.cache_length)
+                t = request.truncate
+                future = self.engine.submit_truncate(turn, t.tokens, t.cache_length, list(t.keep))
                 length = await self._bounded(asyncio.wrap_future(future))
                 await self._send(pb.TurnResponse(truncated=pb.Truncated(cache_length=length)))
             elif kind == "commit":
@@ -196,7 +197,8 @@ class TurnCall:
         if step.hidden.dtype == E4M3:  # decoded to float32: into the layers' dtype, which it is then answered in
             hidden = hidden.to(self.engine.dtype)
         await self._refresh_lock()
-        future = self.engine.submit_step(self.turn, hidden, step.cache_length, step.outputs, step.evict)
+        future = self.engine.submit_step(self.turn, hidden, step.cache_length, step.outputs, step.evict,
+                                         list(step.parents))
         out = await self._bounded(asyncio.wrap_future(future))
         self.engine.metrics.step_answered(time.perf_counter() - started)
         # The engine answers in the dtype of `hidden`, and checked the answer in it; any finite row fits e4m3.

@@ -45,3 +45,41 @@ def accept_drafts(draw: Draw, logits: torch.Tensor, context_ids: Sequence[int], 
             break
         context.append(token)
     return out
+
+
+def accept_tree(draw: Draw, logits: torch.Tensor, context_ids: Sequence[int], tokens: Sequence[int],
+                parents: Sequence[int]) -> tuple[list[int], list[int]]:
+    """The accepted path through a draft tree and one token of the model's own: (tokens, rows).
+
+    `tokens[i]`/`parents[i]` are the step's rows (layers/draft_tree.py): row 0 is the step's first token (the
+    root, already sampled; `context_ids` ends with it), every other row a draft whose parent row precedes it.
+    `logits` [len(tokens), vocab]: row i is the model's output after row i's ancestors and itself. The walk
+    starts at the root; at each row it draws one token from that row's logits, and if the draw equals one
+    of the row's children it moves to that child (children hold distinct tokens), else the draw is the
+    next token and the walk ends. `rows` are the rows walked (the root, then each accepted child): what the
+    caches keep, in order.
+
+    This is `accept_drafts` with several candidates per position, and exact for the same reasons. With
+    greedy decoding the draw is the argmax, so the tokens are those of decoding one at a time. With sampling
+    the draw x ~ p is made whatever the children are: it is kept (as a child, or as the next token) either
+    way, so every emitted token has the target distribution — SpecInfer's multi-candidate rule for
+    point-mass drafts, where a rejected child's residual is p with the children drawn so far removed, which
+    is what "x is none of them" leaves. Each position consumes exactly one draw, in order, so a fixed seed
+    gives the same output with trees, chains or no drafts at all."""
+    if logits.shape[0] != len(tokens) or len(parents) != len(tokens):
+        raise ValueError(f"a tree of {len(tokens)} rows needs as many parents and rows of logits, got "
+                         f"{len(parents)} and {logits.shape[0]}")
+    children: dict[int, dict[int, int]] = {}
+    for row in range(1, len(tokens)):
+        children.setdefault(parents[row], {}).setdefault(tokens[row], row)
+    context = list(context_ids)
+    out, rows, row = [], [0], 0
+    while True:
+        token = draw(logits[row], context)
+        out.append(token)
+        child = children.get(row, {}).get(token)
+        if child is None:
+            return out, rows
+        context.append(token)
+        rows.append(child)
+        row = child

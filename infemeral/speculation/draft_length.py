@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from infemeral.speculation.step_cost import StepCost
+from infemeral.speculation.tree import TreeSize
 
 
 def expected_tokens(acceptance: float, num_drafts: int) -> float:
@@ -64,6 +65,7 @@ class DraftLength:
         self.probe_seconds = 0.0  # what the last probe took, catch-up included (0 until measured)
         self._elapsed = 0.0       # the session's time in steps and drafting, as `spent` reports it
         self._probes_took = 0.0   # what this session's probes took together
+        self.tree = TreeSize(self.cost)  # a source that drafts trees: how many nodes a step carries
 
     # -- estimates ------------------------------------------------------------------------------------
     @property

@@ -27,9 +27,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from infemeral.speculation.draft_length import DraftLength, SourceHistory
+from infemeral.layers.draft_tree import is_chain
+from infemeral.speculation.draft_length import DraftLength, SourceHistory, expected_tokens
 from infemeral.speculation.source import DraftSource
 from infemeral.speculation.step_cost import StepCost
+from infemeral.speculation.tree import MAX_TREE_NODES
 
 
 @dataclass
@@ -40,6 +42,10 @@ class Proposal:
     source: str | None = None  # the source of `drafts`
     shadows: dict[str, list[int]] = field(default_factory=dict)  # several sources: each free one's guesses
     drafting: float = 0.0  # the seconds `propose` took
+    parents: list[int] | None = None  # a draft tree: the parents of the step's rows (its last token, then `drafts`)
+    depth: int = 0          # a draft tree: its deepest draft's depth
+    expected: float = 0.0   # a draft tree: the draft probabilities of its nodes beyond the chain, summed
+    chain_yield: float = 0.0  # a draft tree: the accepted drafts its chain alone was expected to yield
 
 
 class Speculator:
@@ -66,6 +72,7 @@ class Speculator:
         self.lengths = {s.name: lengths[s.name] for s in self.sources}
         self._max_draft = max_draft if self.sources else 0
         self.prompt_features = max((getattr(s, "prompt_features", 0) for s in self.sources), default=0)
+        self._trees = False  # this step may carry a draft tree
 
     @property
     def max_draft(self) -> int:
@@ -78,9 +85,10 @@ class Speculator:
         return next(iter(self.lengths.values())) if len(self.lengths) == 1 else None
 
     # -- the loop's calls -----------------------------------------------------------------------------
-    def propose(self, context_ids: Sequence[int], room: int) -> Proposal:
+    def propose(self, context_ids: Sequence[int], room: int, trees: bool = False) -> Proposal:
         """The drafts to send after `context_ids` (whose last token is sampled, not yet in the caches), at most
-        `room` of them."""
+        `room` of them; with `trees` (the server verifies them), a source that drafts trees may propose one."""
+        self._trees = trees
         if not self.sources:
             return Proposal([], [], time.perf_counter())
         began = time.perf_counter()
@@ -111,7 +119,10 @@ class Speculator:
             length.spent(seconds + proposal.drafting)
         learnt = set()
         if drafts:
-            self.lengths[proposal.source].update(len(drafts), len(new) - 1)
+            length = self.lengths[proposal.source]
+            length.update(proposal.depth or len(drafts), len(new) - 1)  # a tree: acceptance per depth
+            if proposal.expected:
+                length.tree.update(proposal.expected, len(new) - 1 - proposal.chain_yield)
             learnt.add(proposal.source)
         elif proposal.shadow and len(self.sources) == 1:
             self.lengths[self.sources[0].name].shadow(proposal.shadow[0] == new[0])
@@ -129,6 +140,8 @@ class Speculator:
         length = self.lengths[source.name]
         k = min(length.choose(source.is_free), room, self._unmeasured_limit(source)) if room > 0 else 0
         if k > 0:
+            if self._drafts_trees(source):
+                return self._draft_tree(source, context_ids, k, room)
             drafts = self._draft(source, context_ids, k)
             return Proposal(drafts, [], time.perf_counter(), source.name)
         shadow = source.propose(context_ids, 1) if source.is_free else []
@@ -154,6 +167,10 @@ class Speculator:
         if best is None:
             return Proposal([], [], time.perf_counter(), None, guesses)
         _, source, k = best
+        if self._drafts_trees(source):
+            proposal = self._draft_tree(source, context_ids, k, room)
+            proposal.shadows = guesses
+            return proposal
         drafts = guesses[source.name][:k] if source.is_free else self._draft(source, context_ids, k)
         return Proposal(drafts, [], time.perf_counter(), source.name, guesses)
 
@@ -163,6 +180,34 @@ class Speculator:
         if source.is_free or self.lengths[source.name].draft_seconds:
             return self._max_draft
         return 1
+
+    def _drafts_trees(self, source: DraftSource) -> bool:
+        """Whether `source` drafts a tree this step: it can (a draft head; lookups stay chains, trees of one
+        branch), and the server verifies trees."""
+        return self._trees and not source.is_free and hasattr(source, "propose_tree")
+
+    def _draft_tree(self, source: DraftSource, context_ids: Sequence[int], depth: int, room: int) -> Proposal:
+        """A tree of `depth` levels (the chain length the measured acceptance and step cost chose), of which the
+        step carries as many nodes as pay for their positions (`TreeSize`); charged per level, as a chain is
+        per draft."""
+        length = self.lengths[source.name]
+        started = time.perf_counter()
+        tree = source.propose_tree(context_ids, min(room, MAX_TREE_NODES), depth)
+        took = time.perf_counter() - started
+        length.drafted(depth, took)
+        if length.is_probing:
+            length.probed(took)
+        if tree is None or not tree.tokens:
+            return Proposal([], [], time.perf_counter(), source.name)
+        chain = tree.greedy_path()[:depth]
+        chain_yield = expected_tokens(length.estimated_acceptance, len(chain)) - 1
+        extra = length.tree.choose(tree, room, chain, chain_yield)
+        extra_probs = sorted((p for i, p in enumerate(tree.probs) if i not in set(chain)), reverse=True)[:extra]
+        tree = tree.best(extra, chain)
+        parents = tree.step_parents()
+        return Proposal(tree.tokens, [], time.perf_counter(), source.name, depth=tree.depth,
+                        parents=None if is_chain(parents) else parents, expected=sum(extra_probs),
+                        chain_yield=chain_yield)
 
     def _draft(self, source: DraftSource, context_ids: Sequence[int], k: int) -> list[int]:
         """A costly source's drafts, and what they cost. A source that says what its proposal would have cost

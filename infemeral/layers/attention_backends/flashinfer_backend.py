@@ -1,11 +1,13 @@
 """FlashInfer's paged kernels on CUDA in bf16 or fp16 (it has no float32 kernels): the decode wrapper for
-decode-only batches, the prefill (append) wrapper otherwise."""
+decode-only batches, the prefill (append) wrapper otherwise, with a custom mask where a sequence's new tokens
+are a draft tree."""
 
 from __future__ import annotations
 
 import torch
 
 from infemeral.layers.attention_backends.batch_shape import BatchShape
+from infemeral.layers.draft_tree import tree_attention_mask
 
 FLASHINFER_DTYPES = (torch.bfloat16, torch.float16)  # it has no float32 kernels
 
@@ -26,9 +28,11 @@ def host_int32(values, pin: bool) -> torch.Tensor:
 class FlashInferBackend:
     """FlashInfer's paged kernels (CUDA only). One plan per batch (per sliding-window size), reused by every
     layer: the decode wrapper when every sequence adds one token (tensor cores when >= 4 query heads share a
-    KV head), the prefill/append wrapper for anything else."""
+    KV head), the prefill/append wrapper for anything else. A batch holding a draft tree is planned with a custom
+    mask (`custom_mask`) for every sequence, causal ones for the chains."""
 
     name = "flashinfer"
+    draft_trees = True  # the prefill wrapper's custom mask
     WORKSPACE_BYTES = 128 << 20
     TENSOR_CORE_GROUP = 4                       # query heads per KV head from which tensor cores pay off
     CUDA_CORE_GROUPS = (1, 2, 3, 4, 6, 8, 16)  # group sizes the CUDA-core decode kernel is built for
@@ -44,7 +48,7 @@ class FlashInferBackend:
         self.use_tensor_cores = group >= self.TENSOR_CORE_GROUP or group not in self.CUDA_CORE_GROUPS
         self.workspace = zeroed_workspace(self.WORKSPACE_BYTES, self.device)
         self._wrappers: dict = {}  # (kind, window) -> wrapper; each holds its own plan
-        self._batch = self._shape = self._host = None
+        self._batch = self._shape = self._host = self._mask = None
         self._planned: set = set()
 
     def _wrapper(self, kind: str, window: int | None):
@@ -66,9 +70,10 @@ class FlashInferBackend:
         self._batch, self._shape, self._planned = batch, shape, set()
         self._host = {name: host_int32(getattr(shape, name), pin)
                       for name in ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len")}
+        self._mask = custom_mask(shape, getattr(batch, "trees", None), self.device)
 
     def kind(self) -> str:
-        return "decode" if self._shape.is_decode else "prefill"
+        return "decode" if self._shape.is_decode and self._mask is None else "prefill"
 
     def _plan(self, sm_scale: float, window: int | None):
         kind, h = self.kind(), self._host
@@ -78,6 +83,12 @@ class FlashInferBackend:
         if kind == "decode":
             wrapper.plan(h["kv_indptr"], h["kv_indices"], h["kv_last_page_len"], self.num_qo_heads,
                          self.num_kv_heads, self.head_dim, self.page_size, **common)
+        elif self._mask is not None:  # causal is ignored where a custom mask is given
+            if window:
+                raise ValueError("a draft tree's mask and a sliding window do not combine")
+            wrapper.plan(h["qo_indptr"], h["kv_indptr"], h["kv_indices"], h["kv_last_page_len"], self.num_qo_heads,
+                         self.num_kv_heads, self.head_dim, self.page_size, custom_mask=self._mask, causal=False,
+                         **common)
         else:
             wrapper.plan(h["qo_indptr"], h["kv_indptr"], h["kv_indices"], h["kv_last_page_len"], self.num_qo_heads,
                          self.num_kv_heads, self.head_dim, self.page_size, causal=True, **common)
@@ -93,3 +104,18 @@ class FlashInferBackend:
         else:
             wrapper = self._plan(sm_scale, window)
         return wrapper.run(q, (k_pages, v_pages))
+
+
+def custom_mask(shape: BatchShape, trees, device: torch.device) -> torch.Tensor | None:
+    """FlashInfer's flattened custom mask for a batch holding a draft tree: each sequence's [q_len, kv_len] mask
+    (True: the query reads the key), row-major, one after another in batch order — a tree's from its parents,
+    a chain's causal (its queries are the last q_len positions). None where the batch holds no tree."""
+    if not trees or all(t is None for t in trees):
+        return None
+    parts = []
+    for i, tree in enumerate(trees):
+        q, kv = shape.q_len(i), shape.kv_len(i)
+        mask = (torch.ones(q, kv, dtype=torch.bool).tril(kv - q) if tree is None
+                else tree_attention_mask(tree, kv - q))
+        parts.append(mask.flatten())
+    return torch.cat(parts).to(device)

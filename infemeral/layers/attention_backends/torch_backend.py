@@ -17,6 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from infemeral.layers.attention import attend
 from infemeral.layers.attention_backends.batch_shape import BatchShape
+from infemeral.layers.draft_tree import tree_attention_mask
 
 MAX_PADDED_QUERY = 16       # sequences with at most this many new tokens share padded SDPAs...
 IN_PLACE_MIN_TOKENS = 256   # ...unless their cache is this long: then one SDPA each, over their exact length
@@ -88,13 +89,15 @@ class TorchPlan:
     batch), which keeps batched outputs identical to solo ones: sequences with more than
     MAX_PADDED_QUERY new tokens, or at least IN_PLACE_MIN_TOKENS of cache, get an SDPA of
     their own over exactly their length (their pages read in place when contiguous); the
-    others are grouped by (padded length, new tokens) into padded batches."""
+    others are grouped by (padded length, new tokens) into padded batches. A sequence whose new tokens are a
+    draft tree (`trees[i]`, its parents) gets an SDPA of its own with the tree's mask."""
 
-    def __init__(self, shape: BatchShape, device: torch.device):
+    def __init__(self, shape: BatchShape, device: torch.device, trees: list[list[int] | None] | None = None):
         self.shape, self.device = shape, device
         n = shape.num_sequences
+        self.trees = list(trees) if trees is not None else [None] * n
         self.singles = [i for i in range(n) if shape.q_len(i) > MAX_PADDED_QUERY
-                        or shape.kv_len(i) >= IN_PLACE_MIN_TOKENS]
+                        or shape.kv_len(i) >= IN_PLACE_MIN_TOKENS or self.trees[i] is not None]
         keyed: dict[tuple[int, int], list[int]] = {}
         single = set(self.singles)
         for i in range(n):
@@ -144,19 +147,24 @@ class TorchPlan:
             k_run, v_run = k_pages.index_select(0, index), v_pages.index_select(0, index)
         k = k_run.flatten(0, 1)[:kv_len].transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
         v = v_run.flatten(0, 1)[:kv_len].transpose(0, 1).unsqueeze(0)
-        return attend(q.transpose(0, 1).unsqueeze(0), k, v, sm_scale, sliding_window)[0]
+        tree = self.trees[i]
+        mask = None if tree is None else tree_attention_mask(tree, kv_len - len(tree), k.device)
+        return attend(q.transpose(0, 1).unsqueeze(0), k, v, sm_scale, sliding_window, mask)[0]
 
 
 def torch_paged_attention(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, qo_indptr: torch.Tensor,
                           kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor,
-                          sm_scale: float, sliding_window: int | None = None) -> torch.Tensor:
-    """q [T, H, D], pages [P, page_size, KVH, D] -> [T, H, D] (plans and runs one batch)."""
+                          sm_scale: float, sliding_window: int | None = None,
+                          trees: list[list[int] | None] | None = None) -> torch.Tensor:
+    """q [T, H, D], pages [P, page_size, KVH, D] -> [T, H, D] (plans and runs one batch; `trees`: each
+    sequence's draft tree parents, or None for a chain)."""
     shape = BatchShape.from_csr(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, k_pages.shape[1])
-    return TorchPlan(shape, k_pages.device).run(q, k_pages, v_pages, sm_scale, sliding_window)
+    return TorchPlan(shape, k_pages.device, trees).run(q, k_pages, v_pages, sm_scale, sliding_window)
 
 
 class TorchBackend:
     name = "torch"
+    draft_trees = True  # takes a tree mask per sequence
 
     def __init__(self):
         self._batch = self._plan = None
@@ -171,5 +179,5 @@ class TorchBackend:
         if self._plan is None:
             shape = BatchShape.from_csr(batch.qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len,
                                         k_pages.shape[1])
-            self._plan = TorchPlan(shape, k_pages.device)
+            self._plan = TorchPlan(shape, k_pages.device, getattr(batch, "trees", None))
         return self._plan.run(q, k_pages, v_pages, sm_scale, sliding_window)

@@ -37,26 +37,30 @@ class OpenTurn(_message.Message):
     def __init__(self, session_id: _Optional[bytes] = ..., session_key: _Optional[bytes] = ..., expected_version: _Optional[int] = ..., bundle_fingerprint: _Optional[str] = ..., turn_id: _Optional[bytes] = ..., pending_turn_id: _Optional[bytes] = ..., reserve_tokens: _Optional[int] = ...) -> None: ...
 
 class Step(_message.Message):
-    __slots__ = ("hidden", "cache_length", "outputs", "evict", "answer_dtype")
+    __slots__ = ("hidden", "cache_length", "outputs", "evict", "answer_dtype", "parents")
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     CACHE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     EVICT_FIELD_NUMBER: _ClassVar[int]
     ANSWER_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
     hidden: Tensor
     cache_length: int
     outputs: int
     evict: int
     answer_dtype: str
-    def __init__(self, hidden: _Optional[_Union[Tensor, _Mapping]] = ..., cache_length: _Optional[int] = ..., outputs: _Optional[int] = ..., evict: _Optional[int] = ..., answer_dtype: _Optional[str] = ...) -> None: ...
+    parents: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, hidden: _Optional[_Union[Tensor, _Mapping]] = ..., cache_length: _Optional[int] = ..., outputs: _Optional[int] = ..., evict: _Optional[int] = ..., answer_dtype: _Optional[str] = ..., parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Truncate(_message.Message):
-    __slots__ = ("tokens", "cache_length")
+    __slots__ = ("tokens", "cache_length", "keep")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    KEEP_FIELD_NUMBER: _ClassVar[int]
     tokens: int
     cache_length: int
-    def __init__(self, tokens: _Optional[int] = ..., cache_length: _Optional[int] = ...) -> None: ...
+    keep: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tokens: _Optional[int] = ..., cache_length: _Optional[int] = ..., keep: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Commit(_message.Message):
     __slots__ = ()
@@ -131,7 +135,7 @@ class ServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("bundle_fingerprint", "model_type", "hidden_size", "first_layer", "num_layers", "total_layers", "dtype", "device", "max_step_tokens", "max_context", "max_message_bytes", "server_version", "protocol_version", "window", "sink_tokens", "page_size", "turn_idle_seconds", "max_turn_seconds", "bundle_unverified")
+    __slots__ = ("bundle_fingerprint", "model_type", "hidden_size", "first_layer", "num_layers", "total_layers", "dtype", "device", "max_step_tokens", "max_context", "max_message_bytes", "server_version", "protocol_version", "window", "sink_tokens", "page_size", "turn_idle_seconds", "max_turn_seconds", "bundle_unverified", "draft_trees")
     BUNDLE_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -151,6 +155,7 @@ class ServerInfo(_message.Message):
     TURN_IDLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MAX_TURN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     BUNDLE_UNVERIFIED_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TREES_FIELD_NUMBER: _ClassVar[int]
     bundle_fingerprint: str
     model_type: str
     hidden_size: int
@@ -170,7 +175,8 @@ class ServerInfo(_message.Message):
     turn_idle_seconds: float
     max_turn_seconds: float
     bundle_unverified: bool
-    def __init__(self, bundle_fingerprint: _Optional[str] = ..., model_type: _Optional[str] = ..., hidden_size: _Optional[int] = ..., first_layer: _Optional[int] = ..., num_layers: _Optional[int] = ..., total_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_step_tokens: _Optional[int] = ..., max_context: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., server_version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., window: _Optional[bool] = ..., sink_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., turn_idle_seconds: _Optional[float] = ..., max_turn_seconds: _Optional[float] = ..., bundle_unverified: _Optional[bool] = ...) -> None: ...
+    draft_trees: bool
+    def __init__(self, bundle_fingerprint: _Optional[str] = ..., model_type: _Optional[str] = ..., hidden_size: _Optional[int] = ..., first_layer: _Optional[int] = ..., num_layers: _Optional[int] = ..., total_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., max_step_tokens: _Optional[int] = ..., max_context: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., server_version: _Optional[str] = ..., protocol_version: _Optional[int] = ..., window: _Optional[bool] = ..., sink_tokens: _Optional[int] = ..., page_size: _Optional[int] = ..., turn_idle_seconds: _Optional[float] = ..., max_turn_seconds: _Optional[float] = ..., bundle_unverified: _Optional[bool] = ..., draft_trees: _Optional[bool] = ...) -> None: ...
 
 class DeleteSessionRequest(_message.Message):
     __slots__ = ("session_id", "session_key")

@@ -197,7 +197,7 @@ class TensorParallelRunner(LayerRunner):
         views = [ops.SequenceView(seq.pages[:self.pool.pages_for(seq.length + n)], seq.length)
                  for seq, n in zip(batch.sequences, batch.new_tokens)]
         hidden = hidden.to(self.device, self.dtype).contiguous()
-        with self.driver.op(ops.Forward(views, list(batch.new_tokens))):
+        with self.driver.op(ops.Forward(views, list(batch.new_tokens), list(batch.trees))):
             self.driver.group.broadcast(hidden)
             out = super().forward(hidden, batch)
             elsewhere = self.driver.group.all_reduce(torch.zeros(1, device=self.device))

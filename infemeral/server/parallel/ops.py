@@ -42,6 +42,7 @@ class Forward:
 
     sequences: list[SequenceView]
     new_tokens: list[int]
+    trees: list[list[int] | None] | None = None  # per sequence, a draft tree's parents (None: a chain)
 
     @property
     def num_tokens(self) -> int:

@@ -52,7 +52,7 @@ class Worker:
         runner = self.runner
         hidden = self.group.broadcast(torch.empty(op.num_tokens, self.hidden_size, dtype=runner.dtype,
                                                   device=runner.device))
-        batch = PagedBatch(self.kv, op.sequences, op.new_tokens, runner.backend)
+        batch = PagedBatch(self.kv, op.sequences, op.new_tokens, runner.backend, op.trees)
         runner.forward(hidden, batch)
         self.group.all_reduce(nonfinite_flag(batch, runner.device))
 

@@ -8,6 +8,7 @@ are (`checkpoint.py`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from infemeral.kvcache.cache import KVCache
 from infemeral.speculation.head.checkpoint import TRAINING_HINT, read_checkpoint, target_mismatch
 from infemeral.speculation.head.model import HeadModel, layer_config
 from infemeral.speculation.head.vocab import DraftVocab
+from infemeral.speculation.tree import TREE_TOP_K, TreeDraft
 from infemeral.threads import FasterThreads
 
 DRAFT_RECHECK = 256  # proposals between two measurements of the faster thread count (the machine's load changes)
@@ -168,12 +170,82 @@ class HeadDrafter:
 
     @torch.inference_mode()
     def _propose(self, context_ids: Sequence[int], max_draft: int) -> list[int]:
-        m = len(context_ids) - 1
-        if max_draft <= 0 or m < 1:
+        if max_draft <= 0:
             return []
+        h = self._read(context_ids)
+        if h is None:
+            return []
+        head = self.head
+        verified = self.cache.length
+        drafts = [head.vocab.best(h)]
+        while len(drafts) < max_draft:
+            h = head.module(head.embed(drafts[-1:]).unsqueeze(0), h.unsqueeze(0), self.cache)[0]
+            drafts.append(head.vocab.best(h))
+        self.cache.truncate(self.cache.length - verified)
+        return drafts
+
+    def propose_tree(self, context_ids: Sequence[int], max_nodes: int, max_depth: int,
+                     top_k: int = TREE_TOP_K) -> TreeDraft | None:
+        """A draft tree after `context_ids` (EAGLE-2): at each depth the `top_k` most probable nodes so far are
+        expanded into `top_k` children each, one pass of the head for all of them; the `max_nodes` most
+        probable nodes of at most `max_depth` levels are kept. None where the head cannot draft here."""
+        return self.head.threads.run(lambda: self._propose_tree(context_ids, max_nodes, max_depth, top_k),
+                                     units=lambda tree: tree.depth if tree is not None else 1)  # per pass
+
+    @torch.inference_mode()
+    def _propose_tree(self, context_ids: Sequence[int], max_nodes: int, max_depth: int,
+                      top_k: int) -> TreeDraft | None:
+        if max_nodes <= 0 or max_depth <= 0:
+            return None
+        h = self._read(context_ids)
+        if h is None:
+            return None
+        head, cache = self.head, self.cache
+        verified = cache.length
+        tokens, parents, scores = [], [], []  # every candidate node: token, parent node (-1: root), log-probability
+        fed: list[int] = []  # nodes run through the head, in cache order (after the verified positions)
+        frontier, hidden = [-1], h  # nodes whose children come next, and their predicted features [w, d]
+        for depth in range(1, max_depth + 1):
+            ids, logp = head.vocab.top(hidden, top_k)
+            children = []
+            for row, node in enumerate(frontier):
+                base = scores[node] if node >= 0 else 0.0
+                for token, lp in zip(ids[row], logp[row].tolist()):
+                    children.append(len(tokens))
+                    tokens.append(token)
+                    parents.append(node)
+                    scores.append(base + lp)
+            if depth == max_depth:
+                break
+            row_of = {node: row for row, node in enumerate(frontier)}
+            frontier = sorted(children, key=lambda i: -scores[i])[:top_k]
+            # each fed node reads the verified positions, its fed ancestors and itself, at its depth's position
+            mask = torch.zeros(len(frontier), verified + len(fed) + len(frontier), dtype=torch.bool)
+            mask[:, :verified] = True
+            for row, node in enumerate(frontier):
+                mask[row, verified + len(fed) + row] = True
+                ancestor = parents[node]
+                while ancestor >= 0:
+                    mask[row, verified + fed.index(ancestor)] = True
+                    ancestor = parents[ancestor]
+            positions = torch.full((1, len(frontier)), verified + depth - 1, dtype=torch.long, device=head.device)
+            inputs = hidden[[row_of[parents[node]] for node in frontier]]
+            hidden = head.module(head.embed([tokens[node] for node in frontier]).unsqueeze(0), inputs.unsqueeze(0),
+                                 cache, positions, mask.to(head.device))[0]
+            fed += frontier
+        cache.truncate(cache.length - verified)
+        tree = TreeDraft(tokens, parents, [math.exp(x) for x in scores])
+        return tree.best(max_nodes)
+
+    def _read(self, context_ids: Sequence[int]) -> torch.Tensor | None:
+        """Run the verified positions the head has not read yet; its predicted feature [1, d] for the token
+        after `context_ids` (whose last token is sampled, not verified), or None without the features it needs."""
+        m = len(context_ids) - 1
+        if m < 1:
+            return None
         self._agree(context_ids)
         if self._feature_end < m or self._feature_start > m - 1:
-            return []  # the feature of the position before the last token is unknown
+            return None  # the feature of the position before the last token is unknown
         head = self.head
         end = self.start + self.cache.length
         if end > m - 1 and self.cache.length:  # its cache already read position m-1: read it again for its output
@@ -183,14 +255,7 @@ class HeadDrafter:
             self.cache.truncate(self.cache.length)
             self.start = end = max(self._feature_start, m - head.keep_features, 0)
         feats = self._features[end - self._feature_start:m - self._feature_start]
-        h = head.module(head.embed(context_ids[end + 1:m + 1]).unsqueeze(0), feats.unsqueeze(0), self.cache)[0, -1:]
-        verified = self.cache.length
-        drafts = [head.vocab.best(h)]
-        while len(drafts) < max_draft:
-            h = head.module(head.embed(drafts[-1:]).unsqueeze(0), h.unsqueeze(0), self.cache)[0]
-            drafts.append(head.vocab.best(h))
-        self.cache.truncate(self.cache.length - verified)
-        return drafts
+        return head.module(head.embed(context_ids[end + 1:m + 1]).unsqueeze(0), feats.unsqueeze(0), self.cache)[0, -1:]
 
     def _agree(self, context_ids: Sequence[int]) -> None:
         """Forget what does not belong to `context_ids`: features of positions past where it leaves the verified

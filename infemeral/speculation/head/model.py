@@ -97,18 +97,21 @@ class HeadModel(torch.nn.Module):
     def new_cache(self, dtype: torch.dtype, device: torch.device, capacity: int = 64) -> KVCache:
         return KVCache(0, 1, self.config.num_key_value_heads, head_dim(self.config), dtype, device, capacity)
 
-    def forward(self, embeds: torch.Tensor, features: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, embeds: torch.Tensor, features: torch.Tensor, cache: KVCache | None = None,
+                positions: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
         """embeds, features [B, n, d] (embedding of the token after each position, feature of the position)
         -> predicted features of the next positions [B, n, d]. With `cache` (B = 1) the n positions follow
-        the cached ones and are appended to it."""
+        the cached ones and are appended to it. A draft tree's nodes give their own `positions` [1, n] and
+        `mask` [n, cached + n] (which cached entries and nodes each reads: its ancestors, not its cousins)."""
         x = self.fc(torch.cat([embeds, features], dim=-1))
         n = x.shape[1]
         start = cache.length if cache is not None else 0
-        positions = torch.arange(start, start + n, device=x.device).unsqueeze(0)
+        if positions is None:
+            positions = torch.arange(start, start + n, device=x.device).unsqueeze(0)
         cos_sin = self.rotary(x, positions)
         if cache is not None:
             cache.begin_step()
-        x = self.layers[0](x, attention_mask=None, position_ids=positions, position_embeddings=cos_sin,
+        x = self.layers[0](x, attention_mask=mask, position_ids=positions, position_embeddings=cos_sin,
                            **{architecture.cache_keyword(self.layers[0]): cache})
         if cache is not None:
             cache.finish_step(n)

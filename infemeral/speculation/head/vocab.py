@@ -26,6 +26,16 @@ class DraftVocab:
     def project(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.table.project(hidden)
 
+    def top(self, hidden: torch.Tensor, k: int) -> tuple[list[list[int]], torch.Tensor]:
+        """The `k` most likely target ids for each feature [n, d] and their log-probabilities [n, k] under the
+        head (over this vocabulary)."""
+        logp = torch.log_softmax(self.project(hidden).float(), dim=-1)
+        values, indices = logp.topk(min(k, logp.shape[-1]), dim=-1)
+        rows = indices.tolist()
+        if self._ids is not None:
+            rows = [[self._ids[i] for i in row] for row in rows]
+        return rows, values
+
     def best(self, hidden: torch.Tensor) -> int:
         """The target id of the most likely token for one feature [1, d]."""
         i = int(self.project(hidden)[-1].argmax())
