@@ -174,7 +174,7 @@ def test_ctrl_c_shows_no_token_after_it(capsys, monkeypatch):
         version, pending_commit, messages = 0, None, []
         computed = 0
 
-        def stream(self, message, params):
+        def stream(self, message, params, on_progress=None):
             for word in ("one ", "two ", "three ", "four "):
                 Session.computed += 1
                 if word == "three ":

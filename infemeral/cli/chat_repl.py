@@ -223,25 +223,33 @@ class ChatRepl:
         return True
 
     def answer(self, message: str) -> bool:
-        """Stream one answer. Ctrl-C stops it and a failure is reported; either way the conversation stays
-        as it was. True if the turn committed."""
-        if self.reader.is_interactive:
-            print("assistant> ", end="", flush=True)
-        deltas = self.session.stream(message, self.params)
+        """Stream one answer. Ctrl-C stops it (while the prompt goes up, too) and a failure is reported; either
+        way the conversation stays as it was. True if the turn committed."""
+        from infemeral.cli.upload_line import UploadLine, UploadStopped
+
+        line = UploadLine()
+        deltas = self.session.stream(message, self.params, on_progress=line)
         is_complete = False
+        # the answer's prefix goes out with its first text, after the upload's line is cleared
+        prefix = "assistant> " if self.reader.is_interactive else ""
         try:
             with StopOnInterrupt() as stop:
+                line.should_stop = lambda: stop.is_set
                 try:
                     for delta in deltas:
                         if stop.is_set:  # a ^C while this token was computed: it is not shown
                             break
-                        sys.stdout.write(delta)
+                        sys.stdout.write(prefix + delta)
+                        prefix = ""
                         sys.stdout.flush()
                         if stop.is_set:  # or while it was written: no next token is computed
                             break
                     else:
                         is_complete = True  # the generator ran to its end: the turn committed
+                except UploadStopped:
+                    pass
                 finally:
+                    line.close()
                     deltas.close()  # a turn stopped before its commit rolls back
         except InfemeralError as e:
             print(file=sys.stdout, flush=True)
@@ -258,7 +266,7 @@ class ChatRepl:
                           "your message again or another one.")
             self._save()  # it may have left a commit to settle
             return False
-        print(file=sys.stdout, flush=True)
+        print(prefix, file=sys.stdout, flush=True)  # an answer with no text still has its prefix
         if not is_complete:
             self._say("(stopped: that exchange was dropped; the conversation is as it was before it)")
             return False

@@ -182,6 +182,8 @@ def _check_prompt_fits(client, prompt_ids: list[int], truncate: bool) -> None:
 
 
 def generate(args) -> int:
+    from infemeral.cli.upload_line import UploadLine
+
     settings = _answer_settings(args)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if args.raw and args.system:
@@ -194,10 +196,15 @@ def generate(args) -> int:
             _check_prompt_fits(client, client.text_ids(prompt) if args.raw else client.chat_ids(
                 session.messages + [{"role": "user", "content": prompt}]), args.truncate)
             params = _sampling(settings, client, is_answer=True)
-            deltas = session.stream_raw(prompt, params) if args.raw else session.stream(prompt, params)
-            for delta in deltas:
-                sys.stdout.write(delta)
-                sys.stdout.flush()
+            line = UploadLine()  # a long prompt's upload, on stderr and cleared before the answer
+            deltas = (session.stream_raw(prompt, params, on_progress=line) if args.raw
+                      else session.stream(prompt, params, on_progress=line))
+            try:
+                for delta in deltas:
+                    sys.stdout.write(delta)
+                    sys.stdout.flush()
+            finally:
+                line.close()
             sys.stdout.write("\n")
             _report(session.last_result, args.verbose)
         finally:
