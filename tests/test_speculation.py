@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from infemeral.client.sampling import Sampler, SamplingParams
-from infemeral.speculation.acceptance import accept_drafts
+from infemeral.speculation.acceptance import accept_drafts, accept_tree
 from infemeral.speculation.draft_length import DraftLength, SourceHistory, expected_tokens
 from infemeral.speculation.step_cost import StepCost
 
@@ -342,6 +342,96 @@ def test_drafts_from_a_draft_head_keep_the_target_distribution(tiny, joint):
 def test_the_statistical_test_catches_wrong_rules(tiny, joint, rule):
     p = first_positions_p(speculative_samples(tiny, rule)[0], joint)
     assert p < 1e-5, f"a wrong acceptance rule passed the test (p = {p:.2e})"
+
+
+# -- the same test for draft trees ----------------------------------------------------------------------------
+
+TREE_PARENTS = [-1, 0, 0, 0, 1, 2]  # the step's token; three candidates; one more under each of the first two
+
+
+def tree_samples(tiny, rule, runs: int = RUNS) -> tuple[list[tuple[int, ...]], int]:
+    """As `speculative_samples`, each run's first step carrying a draft tree (three candidates for the first
+    position, the model's likely tokens and a stray one, in random order, and one candidate after each of the
+    first two) through both halves with the tree mask; the accepted path is kept in both caches
+    (`keep_positions`), the other rows dropped, and later steps carry no drafts."""
+    model, client, server = tiny
+    ccache, scache = client.new_cache(), server.new_cache()
+    client.logits(server(client.cloak(PROMPT[:-1], ccache), scache))
+    base = ccache.length
+    likely = {(): top3(model, [])}
+
+    def candidates(rng, prefix):
+        key = tuple(prefix)
+        if key not in likely:
+            likely[key] = top3(model, prefix)
+        options = likely[key][:2] + [31]
+        rng.shuffle(options)
+        return options
+
+    samples, accepted = [], 0
+    for run in range(runs):
+        sampler, rng = Sampler(SamplingParams(seed=run, **PARAMS)), random.Random(20_000 + run)
+        first = candidates(rng, [])
+        tokens = [PROMPT[-1]] + first + [candidates(rng, [first[0]])[0], candidates(rng, [first[1]])[0]]
+        rows = client.logits(server(client.cloak(tokens, ccache, TREE_PARENTS), scache, TREE_PARENTS))
+        new, path = rule(sampler, rows, list(PROMPT), tokens, TREE_PARENTS)
+        accepted += len(new) - 1
+        for cache in (ccache, scache):
+            cache.keep_positions(base, path)
+        while len(new) < 3:
+            new += accept_drafts(sampler, client.logits(server(client.cloak([new[-1]], ccache), scache)),
+                                 list(PROMPT) + new, [])
+        samples.append(tuple(new[:3]))
+        for cache in (ccache, scache):
+            cache.truncate(cache.length - base)
+    return samples, accepted
+
+
+def first_child_rule(sampler, logits, context, tokens, parents):
+    """Wrong: a node with children always descends into its first child (drawing nothing there)."""
+    context, out, rows, row = list(context), [], [0], 0
+    while True:
+        children = [i for i, p in enumerate(parents) if p == row]
+        if not children:
+            out.append(sampler(logits[row], context))
+            return out, rows
+        row = children[0]
+        out.append(tokens[row])
+        context.append(tokens[row])
+        rows.append(row)
+
+
+def wrong_branch_rule(sampler, logits, context, tokens, parents):
+    """Wrong: the draw is kept, but the walk goes on from the first child's row whichever child it matched (the
+    next position reads logits after the wrong token)."""
+    children = [i for i, p in enumerate(parents) if p == 0]
+    token = sampler(logits[0], list(context))
+    if token not in [tokens[c] for c in children]:
+        return [token], [0]
+    row = children[0]
+    return [token, sampler(logits[row], list(context) + [token])], [0, row]
+
+
+def test_draft_trees_keep_the_target_distribution(tiny, joint):
+    samples, accepted = tree_samples(tiny, accept_tree)
+    assert len(set(samples)) > 10
+    assert 0.5 * RUNS < accepted  # the likely candidates were accepted often, often past the first position
+    p = first_positions_p(samples, joint)
+    assert p > 1e-3, f"samples with draft trees do not follow the target distribution (p = {p:.2e})"
+
+
+@pytest.mark.parametrize("rule", [first_child_rule, wrong_branch_rule], ids=["first-child", "wrong-branch"])
+def test_the_statistical_test_catches_wrong_tree_rules(tiny, joint, rule):
+    p = first_positions_p(tree_samples(tiny, rule)[0], joint)
+    assert p < 1e-5, f"a wrong tree acceptance rule passed the test (p = {p:.2e})"
+
+
+def test_seeded_tree_sampling_gives_the_chain_tokens(tiny):
+    """One draw per position, in order: a fixed seed gives the same tokens with a tree as with no drafts."""
+    trees = tree_samples(tiny, accept_tree, runs=40)[0]
+    plain = [tuple(s) for s in speculative_samples(tiny, lambda sampler, rows, context, drafts: accept_drafts(
+        sampler, rows[:1], context, []), runs=40)[0]]
+    assert trees == plain
 
 
 def test_seeded_speculative_sampling_reproduces(tiny):
