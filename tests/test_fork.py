@@ -10,10 +10,12 @@ from __future__ import annotations
 import argparse
 import io
 import os
+import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import StoredSession, start_server
+from conftest import REPO, StoredSession, start_server
 from http_endpoint import Uvicorn
 from test_store import FP, LAYERS, Conversation, new_cache, stored_files
 
@@ -287,7 +289,10 @@ def test_an_edited_message_forks_the_pooled_conversation_instead_of_uploading_it
     monkeypatch.setattr(pool, "fork", lambda *a, **kw: forks.append(fork(*a, **kw)) or forks[-1])
     try:
         api = openai.OpenAI(base_url=http.url, api_key="unused", max_retries=0)
-        ask = lambda messages: api.chat.completions.create(model="fork-test", messages=messages, max_tokens=4)  # noqa: E731
+
+        def ask(messages):
+            return api.chat.completions.create(model="fork-test", messages=messages, max_tokens=4)
+
         a = [{"role": "user", "content": DOCUMENT + QUESTION_A}]
         a.append({"role": "assistant", "content": ask(a).choices[0].message.content})
         (original,) = pool._idle.values()
@@ -346,3 +351,33 @@ def test_the_pool_forks_a_long_shared_prefix_it_would_otherwise_upload_again():
     b = PooledSession(document + tail, refuse=True)
     pool._idle = type(pool._idle)({id(b): b})
     assert pool.acquire(document + [7]) is client.opened[1] and pool.acquire(document + tail + [2]) is b
+
+
+# -- the bench's row: a second conversation about the same document -----------------------------------------
+def upload_section():
+    sys.path.insert(0, str(REPO / "scripts"))
+    from bench.sections import upload
+
+    return upload
+
+
+def test_the_fork_target_needs_the_whole_document_and_the_ratio():
+    upload = upload_section()
+    facts = [{"ratio_to_bf16": {}, "top1": {}, "fork": fork}
+             for fork in ({"4100/20": 0.05}, {"4100/20": 0.2}, {"600/20": 0.05}, {})]
+    lines = [next(t.line() for t in upload.targets(f) if " fork:" in t.line()) for f in facts]
+    assert lines[0] == "TARGET upload fork: PASS (0.050x at 4100 tokens)"
+    assert [line.split(": ")[1][:4] for line in lines[1:]] == ["MISS"] * 3
+
+
+@pytest.mark.slow
+def test_the_bench_forks_a_second_conversation_through_the_link(server, bundles, client):
+    """measure_fork through the rate-limited proxy on a 700-token document: the second conversation starts in
+    under half the first's time to first token (a second upload of the document would take about as long)."""
+    upload = upload_section()
+    text = DOCUMENT * 8
+    split = SimpleNamespace(address=f"127.0.0.1:{server.port}", prompt_of_length=lambda n: (text, None))
+    row = upload.measure_fork(SimpleNamespace(client_dir=bundles.client_dir), split, 0, 20)
+    assert row.document_tokens >= len(client.chat_ids([{"role": "user", "content": text}]))
+    assert 0 < row.fork_seconds and row.ratio < 0.5, row
+    assert row.first_ttft_seconds >= row.document_tokens * client.model.hidden_size * 4 * 8 / 20e6  # the upload

@@ -17,7 +17,10 @@ first token of a long prompt is mostly the upload. The link is `scripts/delay_pr
   measures): top-1 agreement teacher-forced over the bfloat16 wire's greedy answers, the first divergence
   (where free greedy decoding would part), and perplexity on held text;
 * lossless coding of the bfloat16 wire: compression ratio and speed of deflate (what gRPC's gzip sends) on
-  the default model's real hidden states, and whether it pays at each link rate.
+  the default model's real hidden states, and whether it pays at each link rate;
+* a document uploaded once: the real split through the proxy at 20 Mbit/s, a first conversation about a
+  4,096-token document (its time to first token), then a second about the same document, forked from the
+  first on the pod (`Session.fork`): the fork and the second question's time to first token, together.
 
 The compute of the 8B shape is not run here (a CPU takes minutes per layer at these lengths; a pod's GPU
 prefills in well under a second): what the wire changes is the transport, which is measured.
@@ -48,6 +51,7 @@ WIRES = ("bfloat16", "e4m3", "e4m3-up")  # the server wire of a bfloat16 pod, an
 TARGET_TOKENS, TARGET_MBIT, TARGET_RATIO, TARGET_TOP1 = 4096, 20, 0.55, 0.99
 AGREEMENT_POSITIONS, HELD_TOKENS = 512, 1024
 DEFLATE_LEVELS = (1, 6)                  # fastest, and zlib's default (gRPC's gzip)
+FORK_TOKENS, FORK_RATIO = 4096, 0.1      # a second conversation about the document starts in <= 0.1x the first's
 
 
 @dataclass
@@ -93,6 +97,23 @@ class AgreementRow:
     @property
     def perplexity_ratio(self) -> float:
         return self.perplexity / self.reference_perplexity
+
+
+@dataclass
+class ForkRow:
+    document_tokens: int
+    up_mbit: float
+    first_ttft_seconds: float   # the first conversation: the document and its question go up
+    fork_seconds: float         # the second: the pod copies the first's cache (Session.fork) ...
+    second_ttft_seconds: float  # ... and its own question goes up
+
+    @property
+    def second_start_seconds(self) -> float:
+        return self.fork_seconds + self.second_ttft_seconds
+
+    @property
+    def ratio(self) -> float:
+        return self.second_start_seconds / self.first_ttft_seconds
 
 
 @dataclass
@@ -255,6 +276,39 @@ def measure_end_to_end(wb, split, prompts, rates) -> list[EndToEndRow]:
     return rows
 
 
+def measure_fork(wb, split, document_tokens: int, mbit: float) -> ForkRow:
+    """A first conversation about a document through the link, then a second forked from it on the pod."""
+    from delay_proxy import DelayProxy
+
+    from infemeral.client.client import Client
+    from infemeral.client.sampling import SamplingParams
+
+    once = SamplingParams(max_new_tokens=1, speculate="off")
+    document, _ = split.prompt_of_length(document_tokens)
+    with DelayProxy(split.address, rtt_ms=RTT_MS, up_mbit=mbit, down_mbit=DOWN_MBIT) as proxy:
+        client = Client(proxy.address, wb.client_dir, timeout=600, client_device="cpu")
+        try:
+            client.generate("Hello!", SamplingParams(max_new_tokens=2, speculate="off"))  # warm-up
+            first = client.new_session()
+            try:
+                first_ttft = first.chat(document + "\nWho is this about?", once).time_to_first_token
+                started = now()
+                second = first.fork()
+                fork_seconds = now() - started
+                try:
+                    second_ttft = second.chat("Where does it take place?", once).time_to_first_token
+                finally:
+                    second.delete()
+            finally:
+                first.delete()
+        finally:
+            client.close()
+    row = ForkRow(len(first.history_ids), mbit, first_ttft, fork_seconds, second_ttft)
+    log(f"  fork: a {row.document_tokens}-token conversation at {mbit} Mbit/s: first {first_ttft:.2f} s; the second "
+        f"{row.second_start_seconds:.2f} s (fork {fork_seconds:.2f} s), {row.ratio:.3f}x")
+    return row
+
+
 # -- agreement on the default model ---------------------------------------------------------------------------
 def measure_agreement(wb, positions: int, held_tokens: int) -> list[AgreementRow]:
     """Each 8-bit wire against the bfloat16 wire, through the real encoders and bfloat16 served layers."""
@@ -338,6 +392,8 @@ def run(wb) -> Result:
     rows += measure_agreement(wb, 64 if wb.quick else AGREEMENT_POSITIONS, 256 if wb.quick else HELD_TOKENS)
     log("  lossless coding of the bfloat16 wire")
     rows += measure_coding(default_hidden(prompts[-1]))
+    log("  a document uploaded once (a second conversation forked on the pod)")
+    rows.append(measure_fork(wb, split, 512 if wb.quick else FORK_TOKENS, TARGET_MBIT))
     facts = summarise(rows)
     return Result(NAME, method(chunk), rows, targets(facts), facts)
 
@@ -353,6 +409,7 @@ def summarise(rows: list) -> dict:
     coding = [r for r in rows if isinstance(r, CodingRow)]
     facts["coding_pays"] = {f"{r.codec} at {mbit} Mbit/s": r.upload_seconds_per_mb(mbit) < 8 / mbit
                             for r in coding for mbit in UP_MBIT}
+    facts["fork"] = {f"{r.document_tokens}/{r.up_mbit:g}": r.ratio for r in rows if isinstance(r, ForkRow)}
     return facts
 
 
@@ -367,6 +424,13 @@ def targets(facts: dict) -> list:
                            f"{TARGET_MBIT} Mbit/s uplink <= {TARGET_RATIO} x the bfloat16 wire, with top-1 agreement "
                            f">= {TARGET_TOP1:.0%}", value, TARGET_RATIO,
                            f"{fmt(ratio, '.2f')}x, top-1 {fmt(100 * top1, '.1f')} %"))
+    forks = facts.get("fork", {})
+    tokens, ratio = max(((int(k.split("/")[0]), v) for k, v in forks.items()), default=(0, float("nan")))
+    value = ratio if tokens >= FORK_TOKENS - 64 else float("nan")  # a quick run's short document is no pass
+    out.append(at_most(NAME, "fork", f"a second conversation about the same {FORK_TOKENS}-token document (forked "
+                                     f"on the pod) starts in <= {FORK_RATIO} x the first one's time to first token, "
+                                     f"default model, {TARGET_MBIT} Mbit/s, {RTT_MS} ms", value, FORK_RATIO,
+                       f"{fmt(ratio, '.3f')}x at {tokens} tokens"))
     return out
 
 
@@ -384,7 +448,10 @@ def method(chunk: int) -> str:
             "bfloat16 wire's greedy answers to chat prompts (the first divergence is where free greedy decoding "
             "parts), perplexity on held text. Coding: deflate (gRPC's gzip) on the default model's hidden states "
             "of the longest prompt in bfloat16; it pays at a rate when compressing, sending the coded bytes and "
-            "decompressing take less than sending the raw bytes.")
+            "decompressing take less than sending the raw bytes. Fork: the default model's split through the "
+            f"link at {TARGET_MBIT} Mbit/s, a first conversation about a {FORK_TOKENS}-token document (its time to "
+            "first token), then a second forked from it on the pod with a question of its own: the fork's time "
+            "plus that question's time to first token.")
 
 
 def report(r: Result) -> list[str]:
@@ -413,4 +480,9 @@ def report(r: Result) -> list[str]:
     lines += [f"| {x.codec} | {x.raw_mb:.1f} | {x.ratio:.3f} | {x.compress_mb_s:.0f} | {x.decompress_mb_s:.0f} | "
               f"{x.upload_seconds_per_mb(20):.3f} / {x.upload_seconds_per_mb(100):.3f} |"
               for x in r.rows if isinstance(x, CodingRow)]
+    lines += ["", "A document uploaded once (default model; the second conversation forked from the first):", "",
+              "| document tokens | up Mbit/s | first TTFT s | fork s | second TTFT s | second start / first TTFT |",
+              "|---|---|---|---|---|---|"]
+    lines += [f"| {x.document_tokens} | {x.up_mbit:g} | {x.first_ttft_seconds:.2f} | {x.fork_seconds:.3f} | "
+              f"{x.second_ttft_seconds:.2f} | {x.ratio:.3f} |" for x in r.rows if isinstance(x, ForkRow)]
     return lines + [""]
