@@ -283,6 +283,44 @@ def test_a_draft_head_keeps_the_output(reference, server, bundles, random_head):
     assert sampled[0].token_ids == sampled[1].token_ids and sampled[1].drafted_tokens > 0
 
 
+def test_draft_trees_keep_the_output_across_a_window_slide_and_a_reload(bundles, tmp_path, random_head,
+                                                                        monkeypatch):
+    """Every head step sends a three-level tree of all its drafted nodes (depth and size forced to the most
+    the room allows, so trees are really sent whatever the random head believes): over three turns with a 96-token window sliding
+    mid-answer, and a session saved and loaded again between turns, the tokens, the caches' lengths and the
+    evictions are speculation off's, and the server's pages all come back."""
+    from infemeral.client.session import Session
+    from infemeral.client.turn_link import TurnLink
+    from infemeral.speculation.draft_length import DraftLength
+    from infemeral.speculation.tree import TreeSize
+
+    monkeypatch.setattr(TreeSize, "choose", lambda self, tree, limit, chain=(), chain_yield=0.0: limit)
+    monkeypatch.setattr(DraftLength, "choose", lambda self, is_free=True: 3)  # three levels every step
+    kept_paths = []
+    keep_path = TurnLink.keep_path
+    monkeypatch.setattr(TurnLink, "keep_path", lambda link, rows: (kept_paths.append(rows), keep_path(link, rows)))
+    srv = start_server(bundles, tmp_path / "store", max_context=96, page_size=16, sink_tokens=4)
+    client = Client(f"127.0.0.1:{srv.port}", bundles.client_dir, timeout=300, draft_head=random_head)
+    try:
+        assert client.server_info().draft_trees
+        on, off = client.new_session(), client.new_session()
+        evicted = 0
+        for i, passage in enumerate(PASSAGES[:3]):
+            if i == 1:  # the tree session from its file, as a restarted client would have it
+                on = Session.load(client, on.save(tmp_path / "on.session"))
+            a = on.chat(copy(passage), greedy(speculate="head"))
+            b = off.chat(copy(passage), greedy(speculate="off"))
+            assert a.token_ids == b.token_ids
+            assert a.cache_length == b.cache_length <= 96 and a.evicted_tokens == b.evicted_tokens
+            evicted += a.evicted_tokens
+        assert evicted > 0 and len(kept_paths) > 10
+        assert on.history_ids == off.history_ids
+        assert srv.engine.pool.free_pages == srv.engine.pool.num_pages
+    finally:
+        client.close()
+        srv.stop(0)
+
+
 def test_sessions_drafting_from_one_head_at_once_each_draft_alone(reference, server, bundles, random_head):
     """Two sessions of one client answer at once in threads with one draft head: the tokens are speculation
     off's, each session drafts through a drafter of its own, and replaying what one drafter was told (the

@@ -19,7 +19,7 @@ import torch
 
 from infemeral.client.pending import committed_copy
 from infemeral.client.stream import ReplyReader, TurnStream
-from infemeral.client.upload import MAX_IN_FLIGHT, ChunkSizer, ProgressCallback, UploadClock, free_tokens
+from infemeral.client.upload import ChunkSizer, ProgressCallback, UploadClock, free_tokens
 from infemeral.errors import Aborted
 from infemeral.kvcache.cache import KVCache
 from infemeral.kvcache.window import WindowPolicy, apply_window
@@ -89,7 +89,6 @@ class TurnLink:
         before = self.cache.length
         if parents is not None and not self.draft_trees:
             raise ValueError("this server verifies chains only (ServerInfo.draft_trees); send the step without parents")
-        self._tree_step = None if parents is None else (self.cache.length, len(self.ids), len(ids))
         sent = self._send_step(ids, num_outputs, parents=parents)
         if drop:
             self._check_truncated(self.stream.receive("truncated"), before)
@@ -118,7 +117,7 @@ class TurnLink:
             start = 0
             while start < len(ids):
                 self._take_replies(replies, in_flight, sizer, clock, on_progress, kept,
-                                   wait=len(in_flight) >= MAX_IN_FLIGHT)
+                                   wait=len(in_flight) >= sizer.max_in_flight)
                 part = ids[start:start + sizer.next(start)]
                 keep = min(max(start + len(part) - max(start, kept_from), 0), len(part))  # the last `keep` of it
                 start += len(part)
@@ -142,6 +141,8 @@ class TurnLink:
             self._keep_committed()
             apply_window(cache, window, len(ids), model.inv_freq)
             self.num_evicted += evict
+        # a tree's rows start where the cache ends once the window has slid
+        self._tree_step = None if parents is None else (cache.length, len(self.ids), len(ids))
         hidden = model.cloak(ids, cache, parents)
         self.stream.send(pb.TurnRequest(step=pb.Step(hidden=self._encode(hidden), cache_length=before,
                                                      evict=evict, outputs=num_outputs if num_outputs > 1 else 0,
