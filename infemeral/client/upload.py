@@ -4,10 +4,10 @@ A long prompt's hidden states are large (d bytes per token and element), so on a
 home uplink the upload, not the pod, takes most of the time to the first token.
 The prompt goes up in steps sent without waiting for their replies: the pod
 prefills one step while the next is on the wire (docs/design.md §4). The first
-steps are small so that the pod starts early; later ones grow to what the
-measured rate carries in `CHUNK_SECONDS`, so a prompt that fits in the first
-step goes up whole, a slow link keeps steps (and so
-the pod's work after the last byte) short, and a fast one sends few of them.
+steps are small so that the pod starts early (a prompt that fits in the first
+goes up whole); later ones grow to what the measured rate carries in
+`CHUNK_SECONDS`, so a fast link sends few of them; and the last ones shrink
+again, so that what the pod has left to do after the last byte is small.
 
 How the prompt is split must not change the answer. Steps that evict nothing
 can be cut anywhere: the caches end the same. A step that makes the window
@@ -73,27 +73,27 @@ def free_tokens(length: int, count: int, window: WindowPolicy, max_chunk: int) -
 
 
 class ChunkSizer:
-    """The size of each next step of one prompt: `FIRST_CHUNK_BYTES` of hidden states, doubling until the pod has
-    answered, then what the measured rate carries in `CHUNK_SECONDS` (growing at most twofold a step), within
-    `max_chunk`; steps of `max_chunk` from `free` tokens on (see `free_tokens`)."""
+    """The size of each next step of one prompt: `FIRST_CHUNK_BYTES` of hidden states until the pod has answered,
+    then what the measured rate carries in `CHUNK_SECONDS` (growing at most twofold a step), within
+    `max_chunk`; at most half of what is left, down to the first step's size, so that the pod's work after the
+    last byte is small; steps of `max_chunk` from `free` tokens on (see `free_tokens`)."""
 
     def __init__(self, total: int, free: int, max_chunk: int, bytes_per_token: int):
         self.total, self.free, self.max_chunk = total, free, max_chunk
+        self.max_in_flight = MAX_IN_FLIGHT
         self.smallest = max(1, FIRST_CHUNK_BYTES // max(bytes_per_token, 1))
         self.size = self.smallest
-        self._is_first = True
         self._rate = 0.0  # tokens a second, once measured
 
     def next(self, sent: int) -> int:
         """The size of the step that starts at token `sent`."""
         if sent >= self.free:
             return min(self.max_chunk, self.total - sent)
-        if not self._is_first:
-            grown = 2 * self.size
-            self.size = max(self.smallest, min(grown, int(self._rate * CHUNK_SECONDS))) if self._rate else grown
-        self._is_first = False
+        if self._rate:  # not before: a laptop that outruns its link would size every step blind
+            self.size = max(self.smallest, min(2 * self.size, int(self._rate * CHUNK_SECONDS)))
         self.size = max(1, min(self.size, self.max_chunk))
-        return min(self.size, self.free - sent)
+        left = self.free - sent
+        return min(self.size, max(self.smallest, -(-left // 2)), left)  # halving at the end: the last is small
 
     def measured(self, tokens: int, seconds: float) -> None:
         """`tokens` of the prompt answered by the pod in `seconds` since the first step was sent."""

@@ -28,6 +28,7 @@ import hashlib
 import logging
 import os
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from urllib.parse import unquote
@@ -48,7 +49,7 @@ log = logging.getLogger(__name__)
 STORE_ERRORS = store_errors()
 BUSY_POLL_SECONDS = 0.05
 RETRY_AFTER_KEY = "retry-after-ms"
-READ_AHEAD = 1  # a turn's messages read and waiting while an earlier one is answered
+READ_AHEAD_BYTES = 8 << 20  # a turn's messages read and waiting while an earlier one is answered (always one)
 _ACCOUNT_SALT = os.urandom(16)  # account names mean nothing outside this process, nor across restarts
 
 
@@ -139,14 +140,14 @@ class TurnCall:
             version=turn.version, cache_length=turn.cache.length,
             pending_committed=turn.version == o.expected_version + 1)))
         self.is_opened = True
-        inbox: asyncio.Queue = asyncio.Queue(maxsize=READ_AHEAD)
+        inbox = Inbox(READ_AHEAD_BYTES)
         reader = asyncio.create_task(self._read_ahead(inbox))
         try:
             await self._serve_requests(inbox)
         finally:
             reader.cancel()
 
-    async def _serve_requests(self, inbox: asyncio.Queue) -> None:
+    async def _serve_requests(self, inbox: Inbox) -> None:
         """Answer the client's messages in the order they came; `inbox` holds those read ahead."""
         turn = self.turn
         while True:
@@ -229,9 +230,9 @@ class TurnCall:
         return version, length
 
     # -- deadlines ----------------------------------------------------------------------------------
-    async def _read_ahead(self, inbox: asyncio.Queue) -> None:
+    async def _read_ahead(self, inbox: Inbox) -> None:
         """Read the client's messages into `inbox` while the turn answers earlier ones, so that a prompt's next
-        step comes in while the layers run this one (READ_AHEAD of them waiting, and one more being read). Ends
+        steps come in while the layers run this one (and the client's link does not wait on the layers). Ends
         with None at the end of the stream, or with the error reading met, handed on in order."""
         while True:
             try:
@@ -241,9 +242,10 @@ class TurnCall:
             except BaseException as e:
                 await inbox.put(e)
                 return
-            await inbox.put(None if request is grpc.aio.EOF else request)
             if request is grpc.aio.EOF:
+                await inbox.put(None)
                 return
+            await inbox.put(request, request.ByteSize())
 
     async def _receive(self) -> pb.TurnRequest | None:
         """The client's next message (None once it ended the stream), within both deadlines."""
@@ -293,6 +295,31 @@ class TurnCall:
             engine.close_turn(turn)
 
         await asyncio.shield(asyncio.wrap_future(self.executor.submit(close)))
+
+
+class Inbox:
+    """A turn's messages read ahead, in order: up to `max_bytes` of them wait (always at least one)."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self._items: deque = deque()
+        self._bytes = 0
+        self._changed = asyncio.Condition()
+
+    async def put(self, item, size: int = 0) -> None:
+        async with self._changed:
+            await self._changed.wait_for(lambda: not self._items or self._bytes + size <= self.max_bytes)
+            self._items.append((item, size))
+            self._bytes += size
+            self._changed.notify_all()
+
+    async def get(self):
+        async with self._changed:
+            await self._changed.wait_for(lambda: bool(self._items))
+            item, size = self._items.popleft()
+            self._bytes -= size
+            self._changed.notify_all()
+            return item
 
 
 async def abort(context: grpc.aio.ServicerContext, error: StatusError) -> None:
