@@ -282,7 +282,7 @@ def test_an_edited_message_forks_the_pooled_conversation_instead_of_uploading_it
     B sends only its new tokens, and A is left as it was and continues where it stood."""
     import openai
 
-    pool = SessionPool(client, max_sessions=4)
+    pool = SessionPool(client, max_sessions=4, min_fork_tokens=64)  # the document's 120 tokens: cheap on this CPU
     http = Uvicorn(create_app(pool, "fork-test", defaults=SamplingParams(max_new_tokens=4, temperature=0.0)))
     forks = []
     fork = pool.fork
@@ -302,7 +302,7 @@ def test_an_edited_message_forks_the_pooled_conversation_instead_of_uploading_it
         assert pool.stats.num_forked == 1 and pool.stats.num_opened == 1 and len(forks) == 1
         target = client.chat_ids(b)
         shared = common_prefix(history, target)
-        assert shared >= MIN_FORK_TOKENS and forks[0].last_result.prompt_tokens == len(target) - shared
+        assert shared >= 64 and forks[0].last_result.prompt_tokens == len(target) - shared
         assert original.history_ids == history and original.version == version  # A as it was
         ask(a + [{"role": "user", "content": "And then?"}])
         assert original.version == version + 1 and pool.stats.num_reused == 1  # A went on in its own session
@@ -336,17 +336,18 @@ class PoolClient:
 
 
 def test_the_pool_forks_a_long_shared_prefix_it_would_otherwise_upload_again():
-    document, tail = list(range(100)), [500] * 150  # A keeps 100 tokens and would drop 150: not continued
+    document, tail = list(range(300)), [5000] * 400  # A keeps 300 tokens and would drop 400: not continued
     client = PoolClient()
     pool = SessionPool(client, max_sessions=4)
     a = PooledSession(document + tail)
     pool._idle[id(a)] = a
     got = pool.acquire(document + [7, 8])
-    assert a.forked_at == [100] and got.history_ids == document and not client.opened
+    assert a.forked_at == [300] and got.history_ids == document and not client.opened
     assert pool.stats.num_forked == 1 and pool.num_busy == 1 and pool.acquire(document + tail + [1]) is a
     pool.release(a)
     # a short shared prefix is sent again, in a new session
-    assert pool.acquire(document[:MIN_FORK_TOKENS - 1] + [9] * 300) is client.opened[0] and a.forked_at == [100]
+    short = document[:MIN_FORK_TOKENS - 1] + [9] * 600
+    assert pool.acquire(short) is client.opened[0] and a.forked_at == [300]
     # a refused fork (the window evicted the prefix) opens a new session too, and leaves A idle
     b = PooledSession(document + tail, refuse=True)
     pool._idle = type(pool._idle)({id(b): b})

@@ -9,7 +9,7 @@ say a regenerated answer). A session is never reused for a different
 conversation: if the best one would have to drop more of its history than it
 keeps, the request gets a new session and the old one stays for its own
 conversation — forked from it on the pod where they share at least
-`MIN_FORK_TOKENS` (an edited earlier message, a second question about the
+`min_fork_tokens` (an edited earlier message, a second question about the
 same document), so the shared prefix is not uploaded again and the old
 session stays as it was. One request at a time per session; concurrent requests get
 different sessions, whose turns the server batches together. Beyond
@@ -36,7 +36,9 @@ from infemeral.kvcache.prefix import common_prefix
 
 log = logging.getLogger(__name__)
 
-MIN_FORK_TOKENS = 32  # a request sharing fewer tokens with every idle session sends them again instead of forking
+# A request sharing fewer tokens than this with every idle session sends them again instead of forking one: well
+# past a chat template's system prompt, which every conversation shares.
+MIN_FORK_TOKENS = 256
 
 
 @dataclass
@@ -51,11 +53,12 @@ class PoolStats:
 
 
 class SessionPool:
-    def __init__(self, client, max_sessions: int = 8):
+    def __init__(self, client, max_sessions: int = 8, min_fork_tokens: int = MIN_FORK_TOKENS):
         if max_sessions < 1:
             raise ValueError("max_sessions must be at least 1")
         self.client = client
         self.max_sessions = max_sessions
+        self.min_fork_tokens = min_fork_tokens
         self.stats = PoolStats()
         self._idle: OrderedDict[int, object] = OrderedDict()  # id(session) -> session, least recently used first
         self._busy: dict[int, object] = {}
@@ -183,12 +186,12 @@ class SessionPool:
 
     def _fork_for(self, target_ids: list[int]):
         """A fork of the idle session sharing the longest prefix with the request, where none may be continued
-        as it is (`_best_match`) and that prefix is at least `MIN_FORK_TOKENS`; None otherwise, or if the fork
+        as it is (`_best_match`) and that prefix is at least `min_fork_tokens`; None otherwise, or if the fork
         is refused (the window evicted that prefix, the pod is at its limits): the request then opens a session."""
         with self._lock:
             if self._best_match(target_ids) is not None:
                 return None
-            source, keep = None, MIN_FORK_TOKENS - 1
+            source, keep = None, self.min_fork_tokens - 1
             for key, session in self._idle.items():
                 shared = common_prefix(session.history_ids, target_ids[:-1])  # a turn sends at least one token
                 if key not in self._conversations and session.version and shared > keep:
