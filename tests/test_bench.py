@@ -164,4 +164,17 @@ def test_upload_transport_sends_the_wires_bytes_through_the_rate_and_targets_nee
     assert all(seconds >= 0.9 * size * 8 / 20e6 for seconds, _, size in sent.values())
     facts = {"ratio_to_bf16": {"llama-3-8b/e4m3/4096/20": 0.5, "llama-3-8b/e4m3-up/4096/20": 0.5},
              "top1": {"e4m3": 0.95, "e4m3-up": 0.995}}
-    assert [t.line().split(": ")[1][:4] for t in upload.targets(facts)] == ["MISS", "PASS"]
+    verdicts = {t.name: t.line().split(": ")[1][:4] for t in upload.targets(facts)}
+    assert (verdicts["e4m3_ttft_4096_8b_20mbit"], verdicts["e4m3_up_ttft_4096_8b_20mbit"]) == ("MISS", "PASS")
+
+
+def test_upload_overlap_target_is_the_pipelined_prompt_over_the_upload_alone_at_4096_tokens():
+    from bench.sections import upload
+
+    def verdict(overlap: dict) -> str:
+        facts = {"ratio_to_bf16": {}, "top1": {}, "overlap": overlap}
+        return next(t.line() for t in upload.targets(facts) if t.name == "overlap")
+
+    assert verdict({"pipelined/4096": 1.02, "one step at a time/4096": 2.0}) == "TARGET upload overlap: PASS (1.02x)"
+    assert verdict({"pipelined/4096": 1.2}).startswith("TARGET upload overlap: MISS")
+    assert verdict({"pipelined/1024": 1.02}).startswith("TARGET upload overlap: MISS")  # a quick run's prompt

@@ -20,7 +20,10 @@ first token of a long prompt is mostly the upload. The link is `scripts/delay_pr
   the default model's real hidden states, and whether it pays at each link rate;
 * a document uploaded once: the real split through the proxy at 20 Mbit/s, a first conversation about a
   4,096-token document (its time to first token), then a second about the same document, forked from the
-  first on the pod (`Session.fork`): the fork and the second question's time to first token, together.
+  first on the pod (`Session.fork`): the fork and the second question's time to first token, together;
+* upload overlapped with prefill: the client's own prefill (TurnLink's pipelined steps) at the 8B width to a
+  stand-in pod whose prefill takes as long as the link's upload, against the upload alone and against one step
+  at a time, each waiting for its answer (the client before pipelining).
 
 The compute of the 8B shape is not run here (a CPU takes minutes per layer at these lengths; a pod's GPU
 prefills in well under a second): what the wire changes is the transport, which is measured.
@@ -114,6 +117,15 @@ class ForkRow:
     @property
     def ratio(self) -> float:
         return self.second_start_seconds / self.first_ttft_seconds
+
+
+@dataclass
+class OverlapRow:
+    how: str                   # "upload alone", "pipelined" or "one step at a time"
+    prompt_tokens: int
+    up_mbit: float
+    upload_bytes: int
+    ttft_seconds: float        # the client's prefill: every step up, the last answer back
 
 
 @dataclass
@@ -376,6 +388,141 @@ def measure_coding(hidden: torch.Tensor) -> list[CodingRow]:
     return rows
 
 
+# -- upload overlapped with prefill ---------------------------------------------------------------------------
+OVERLAP_TOKENS, OVERLAP_RATIO = 4096, 1.15  # time to first token <= 1.15x the upload alone
+
+
+class StandInHalf:
+    """The laptop's half at the 8B width, costing nothing: `cloak` hands out the prompt's precomputed rows in order
+    (what TurnLink's steps carry), the rest passes the answer through."""
+
+    def __init__(self, rows: torch.Tensor):
+        self.rows, self.hidden_size = rows, rows.shape[1]
+        self.inv_freq = torch.ones(1)
+
+    def cloak(self, ids: list[int], cache, *_) -> torch.Tensor:
+        start = cache.length
+        cache.length += len(ids)
+        return self.rows[start:cache.length]
+
+    def features(self, residual: torch.Tensor) -> torch.Tensor:
+        return residual
+
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        return features
+
+
+class PrefillingPod(StandInPod):
+    """The stand-in pod with a prefill that takes `tokens_per_second` (0: none), reading a turn's next message
+    while it works on one, as the server does (infemeral/server/turn_call.py)."""
+
+    def __init__(self, hidden_size: int, tokens_per_second: float):
+        self.tokens_per_second = tokens_per_second
+        super().__init__(hidden_size)
+
+    def Turn(self, requests, context):  # noqa: N802 - the gRPC method's name
+        import itertools
+        import threading
+        import time
+
+        from infemeral.protocol import pb
+        from infemeral.protocol.tensors import from_proto, to_proto
+        from infemeral.server.turn_call import READ_AHEAD_BYTES
+
+        inbox: list = []  # (request, bytes), read ahead up to the server's bound
+        changed = threading.Condition()
+
+        def read() -> None:
+            for request in itertools.chain(requests, [None]):
+                size = request.ByteSize() if request is not None else 0
+                with changed:
+                    changed.wait_for(lambda: not inbox or sum(n for _, n in inbox) + size <= READ_AHEAD_BYTES)
+                    inbox.append((request, size))
+                    changed.notify_all()
+
+        def take():
+            with changed:
+                changed.wait_for(lambda: bool(inbox))
+                request, _ = inbox.pop(0)
+                changed.notify_all()
+                return request
+
+        threading.Thread(target=read, daemon=True).start()
+        length = 0
+        for request in iter(take, None):
+            if request.WhichOneof("kind") == "open":
+                yield pb.TurnResponse(opened=pb.Opened())
+                continue
+            hidden = from_proto(request.step.hidden, self.hidden_size, 1 << 20)
+            length += hidden.shape[0]
+            if self.tokens_per_second:
+                time.sleep(hidden.shape[0] / self.tokens_per_second)
+            yield pb.TurnResponse(step=pb.StepResult(hidden=to_proto(hidden[-1:], "bfloat16"), cache_length=length))
+
+
+def overlap_prefill(address: str, rows: torch.Tensor, max_step_tokens: int) -> float:
+    """The real client's prefill (TurnLink.prefill over a TurnStream) of `rows` through `address`: its seconds."""
+    from types import SimpleNamespace
+
+    import grpc
+
+    from infemeral.client.client import CHANNEL_OPTIONS
+    from infemeral.client.stream import TurnStream
+    from infemeral.client.turn_link import TurnLink
+    from infemeral.protocol import pb
+    from infemeral.protocol.tensors import Wire
+
+    info = pb.ServerInfo(max_step_tokens=max_step_tokens, max_context=1 << 30, window=False)
+    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        grpc.channel_ready_future(channel).result(timeout=30)
+        client = SimpleNamespace(server_info=lambda: info, stub=pb_grpc.InfemeralStub(channel), timeout=600)
+        stream = TurnStream(client)
+        try:
+            stream.call(pb.TurnRequest(open=pb.OpenTurn()), "opened")
+            link = TurnLink(StandInHalf(rows), SimpleNamespace(length=0), [], stream, info, Wire("bfloat16"))
+            started = now()
+            link.prefill(list(range(rows.shape[0])))
+            return now() - started
+        finally:
+            stream.close()
+
+
+def measure_overlap(tokens: int, mbit: float, max_step_tokens: int) -> list[OverlapRow]:
+    """At the 8B width: the upload alone (a pod that computes nothing), then a pod whose prefill takes as long as
+    the link takes to carry the prompt (their sum is twice either), with the prompt's steps pipelined and one
+    step of max_step_tokens at a time, each waiting for its answer (the client before pipelining)."""
+    from delay_proxy import DelayProxy
+
+    from infemeral.client import upload
+
+    rows = random_rows(tokens)
+    upload_bytes = tokens * 2 * rows.shape[1]  # bfloat16
+    link_tokens_per_second = mbit * 1e6 / 8 / (upload_bytes / tokens)
+    out = []
+    for how, pod_rate in (("upload alone", 0.0), ("pipelined", link_tokens_per_second),
+                          ("one step at a time", link_tokens_per_second)):
+        pod = PrefillingPod(rows.shape[1], pod_rate)
+        saved = upload.MAX_IN_FLIGHT, upload.FIRST_CHUNK_BYTES
+        if how == "one step at a time":
+            upload.MAX_IN_FLIGHT, upload.FIRST_CHUNK_BYTES = 1, 1 << 62
+        try:
+            with DelayProxy(f"127.0.0.1:{pod.port}", rtt_ms=RTT_MS, up_mbit=mbit, down_mbit=DOWN_MBIT) as proxy:
+                seconds = overlap_prefill(proxy.address, rows, max_step_tokens)
+        finally:
+            upload.MAX_IN_FLIGHT, upload.FIRST_CHUNK_BYTES = saved
+            pod.close()
+        out.append(OverlapRow(how, tokens, mbit, upload_bytes, seconds))
+        log(f"  overlap, {tokens} tokens at the 8B width, {mbit:g} Mbit/s up, {how}: {seconds:.2f} s")
+    return out
+
+
+def overlap_facts(rows: list) -> dict:
+    """Each way's time to first token over the upload alone's, by prompt length."""
+    alone = {r.prompt_tokens: r.ttft_seconds for r in rows if isinstance(r, OverlapRow) and r.how == "upload alone"}
+    return {f"{r.how}/{r.prompt_tokens}": r.ttft_seconds / alone[r.prompt_tokens]
+            for r in rows if isinstance(r, OverlapRow) and r.prompt_tokens in alone}
+
+
 # -- the section ----------------------------------------------------------------------------------------------
 def run(wb) -> Result:
     split = wb.split("bfloat16")
@@ -394,6 +541,8 @@ def run(wb) -> Result:
     rows += measure_coding(default_hidden(prompts[-1]))
     log("  a document uploaded once (a second conversation forked on the pod)")
     rows.append(measure_fork(wb, split, 512 if wb.quick else FORK_TOKENS, TARGET_MBIT))
+    log("  upload overlapped with prefill (the client's prefill, a stand-in pod at the 8B width)")
+    rows += measure_overlap(1024 if wb.quick else OVERLAP_TOKENS, TARGET_MBIT, chunk)
     facts = summarise(rows)
     return Result(NAME, method(chunk), rows, targets(facts), facts)
 
@@ -410,6 +559,7 @@ def summarise(rows: list) -> dict:
     facts["coding_pays"] = {f"{r.codec} at {mbit} Mbit/s": r.upload_seconds_per_mb(mbit) < 8 / mbit
                             for r in coding for mbit in UP_MBIT}
     facts["fork"] = {f"{r.document_tokens}/{r.up_mbit:g}": r.ratio for r in rows if isinstance(r, ForkRow)}
+    facts["overlap"] = overlap_facts(rows)
     return facts
 
 
@@ -431,6 +581,11 @@ def targets(facts: dict) -> list:
                                      f"on the pod) starts in <= {FORK_RATIO} x the first one's time to first token, "
                                      f"default model, {TARGET_MBIT} Mbit/s, {RTT_MS} ms", value, FORK_RATIO,
                        f"{fmt(ratio, '.3f')}x at {tokens} tokens"))
+    ratio = facts.get("overlap", {}).get(f"pipelined/{OVERLAP_TOKENS}", float("nan"))
+    out.append(at_most(NAME, "overlap", f"upload overlapped with prefill: time to first token of a "
+                       f"{OVERLAP_TOKENS}-token prompt at the 8B width, {TARGET_MBIT} Mbit/s up, with a pod that "
+                       f"prefills as fast as the link uploads, <= {OVERLAP_RATIO} x the upload alone", ratio,
+                       OVERLAP_RATIO, f"{fmt(ratio, '.2f')}x"))
     return out
 
 
@@ -485,4 +640,15 @@ def report(r: Result) -> list[str]:
               "|---|---|---|---|---|---|"]
     lines += [f"| {x.document_tokens} | {x.up_mbit:g} | {x.first_ttft_seconds:.2f} | {x.fork_seconds:.3f} | "
               f"{x.second_ttft_seconds:.2f} | {x.ratio:.3f} |" for x in r.rows if isinstance(x, ForkRow)]
+    lines += ["", "Upload overlapped with prefill: the client's own prefill (TurnLink, its steps and their sizes) of "
+              "random rows at the 8B width through the link, to a stand-in pod that reads the next message while it "
+              "works on one (as the server does) and whose prefill takes as long as the link takes to carry the "
+              "prompt (the sum of the two is twice either); against the same prompt to a pod that computes nothing "
+              "(the upload alone), and against one step of max_step_tokens at a time, each waiting for its answer "
+              "(the client before pipelining):", "",
+              "| how | prompt tokens | up Mbit/s | MB up | TTFT s | x upload alone |", "|---|---|---|---|---|---|"]
+    ratios = r.facts.get("overlap", {})
+    lines += [f"| {x.how} | {x.prompt_tokens} | {x.up_mbit:g} | {x.upload_bytes / 1e6:.2f} | {x.ttft_seconds:.2f} | "
+              f"{fmt(ratios.get(f'{x.how}/{x.prompt_tokens}', float('nan')), '.2f')} |"
+              for x in r.rows if isinstance(x, OverlapRow)]
     return lines + [""]
