@@ -11,8 +11,9 @@ sealed cache to write and no session to delete afterwards.
 
 from __future__ import annotations
 
+import queue
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -80,17 +81,30 @@ class PodAnswers:
         return self.client.chat_ids([{"role": "user", "content": prompt}])
 
     def answer(self, prompts: list[list[int]], max_new_tokens: int, keep, progress: bool = True) -> None:
-        """Each prompt's conversation to `keep` (`data.Keep`) as its turn ends, on this thread: one writer."""
+        """Each prompt's conversation to `keep` (`data.Keep`) as its turn ends, on this thread: one writer. A
+        turn's features reach it through a queue and nothing else holds them (a future would, until the last
+        one is done), so memory holds the turns in flight, not the answers."""
         from tqdm import tqdm
 
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, speculate="head", max_draft=0)
+        ended: queue.SimpleQueue = queue.SimpleQueue()
+
+        def answer_one(i: int) -> None:
+            try:
+                ended.put((i, self._answer_one(prompts[i], params), None))
+            except BaseException as e:  # raised on the writer's thread
+                ended.put((i, None, e))
+
         with ThreadPoolExecutor(self.in_flight, thread_name_prefix="answer") as pool, \
                 tqdm(total=len(prompts), desc="answering", unit="answer", disable=not progress) as bar:
-            turns = {pool.submit(self._answer_one, ids, params): i for i, ids in enumerate(prompts)}
+            turns = [pool.submit(answer_one, i) for i in range(len(prompts))]
             try:
-                for done in as_completed(turns):
-                    ids, features = done.result()
-                    keep(turns[done], ids, features)
+                for _ in prompts:
+                    i, conversation, error = ended.get()
+                    if error is not None:
+                        raise error
+                    keep(i, *conversation)
+                    del conversation
                     bar.update()
             except BaseException:
                 for turn in turns:
