@@ -26,7 +26,7 @@ from infemeral.kvcache.persistence import SessionPersistence
 from infemeral.kvcache.stored import SessionKeys
 from infemeral.layers.stack import head_dim
 from infemeral.protocol import pb
-from infemeral.protocol.tensors import E4M3, from_proto
+from infemeral.protocol.tensors import E4M3, INT8, from_proto
 from infemeral.storage.open import open_store
 from test_wire import TurnRecorder
 
@@ -121,24 +121,38 @@ def test_observed_states_and_kv_are_exactly_the_servers(bundles, server, client_
     torch.testing.assert_close(values, stored_values, rtol=1e-5, atol=1e-5)
 
 
-def test_over_the_8bit_wire_the_observed_states_are_what_an_e4m3_client_sends(bundles, server, client_half):
-    """The pod sees the hidden states after the wire's rounding: the audit's, for float8_e4m3fn, equal what a
+@pytest.mark.parametrize("mode, dtype", [("e4m3", E4M3), ("int8", INT8)])
+def test_over_an_8bit_wire_the_observed_states_are_what_its_client_sends(bundles, server, client_half, mode, dtype):
+    """The pod sees the hidden states after the wire's rounding: the audit's, for an 8-bit dtype, equal what a
     client on that wire really sends (decoded as the server does), and differ from the float32 wire's."""
     recorder = TurnRecorder()
     with Client(f"127.0.0.1:{server.port}", bundles.client_dir, timeout=120, interceptors=[recorder],
-                wire="e4m3") as client:
+                wire=mode) as client:
         client.new_session().chat(PROMPT, SamplingParams(max_new_tokens=1))
     sent = [pb.TurnRequest.FromString(raw) for raw in recorder.turns[0]]
     steps = [r.step.hidden for r in sent if r.WhichOneof("kind") == "step"]
-    assert {s.dtype for s in steps} == {E4M3}
+    assert {s.dtype for s in steps} == {dtype}
     d = client_half[0].hidden_size
     wire = torch.cat([from_proto(s, d, 1 << 20, "sent") for s in steps])
 
-    seen = observe(*client_half, messages(), wire=E4M3)
+    seen = observe(*client_half, messages(), wire=dtype)
     assert torch.equal(seen.hidden, wire)
     exact = observe(*client_half, messages()).hidden
     assert not torch.equal(seen.hidden, exact)
-    torch.testing.assert_close(seen.hidden, exact, rtol=1 / 16, atol=exact.abs().max().item() / 448)
+    if dtype == INT8:  # half of one of 255 levels of each row's largest element
+        assert ((seen.hidden - exact).abs() <= exact.abs().amax(dim=1, keepdim=True) / 254 * 1.001).all()
+    else:
+        torch.testing.assert_close(seen.hidden, exact, rtol=1 / 16, atol=exact.abs().max().item() / 448)
+
+
+def test_audit_takes_every_dtype_a_wire_can_carry():
+    """`audit --wire-dtype` offers what a client's --wire may send, no more: the 8-bit ones included."""
+    from infemeral.cli.main import build_parser
+    from infemeral.protocol.tensors import WIRE_NAMES
+
+    audit = next(a for a in build_parser()._subparsers._group_actions[0].choices["audit"]._actions
+                 if a.dest == "wire_dtype")
+    assert sorted(audit.choices) == sorted(WIRE_NAMES)
 
 
 # -- each figure can fail --------------------------------------------------------------------------

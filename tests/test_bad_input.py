@@ -22,7 +22,7 @@ from infemeral.client.sampling import SamplingParams
 from infemeral.client.session import Session
 from infemeral.errors import OutOfRange, PermissionDenied
 from infemeral.protocol import pb, pb_grpc
-from infemeral.protocol.tensors import E4M3, to_proto
+from infemeral.protocol.tensors import E4M3, INT8, to_proto
 
 pytestmark = pytest.mark.slow
 
@@ -288,7 +288,23 @@ STEP_CASES = {
         grpc.StatusCode.INVALID_ARGUMENT, "575 bytes do not match shape [1, 576] of float8_e4m3fn (576 bytes"),
     "answer dtype asked by a plain step": lambda c: _case(
         [pb.TurnRequest(step=pb.Step(hidden=_valid(c), cache_length=c.history, answer_dtype="float32"))],
-        grpc.StatusCode.INVALID_ARGUMENT, "only a step sent in float8_e4m3fn may ask"),
+        grpc.StatusCode.INVALID_ARGUMENT, "only a step sent in 8 bits (float8_e4m3fn or int8) may ask"),
+    "int8 with one scale for two rows": lambda c: _case(
+        [step(pb.Tensor(data=bytes(2 * c.hidden), dtype=INT8, shape=[2, c.hidden], scale=[1.0]), c.history)],
+        grpc.StatusCode.INVALID_ARGUMENT, "int8 needs one scale per row: 1 scales for 2 rows"),
+    "int8 without scales": lambda c: _case(
+        [step(pb.Tensor(data=bytes(c.hidden), dtype=INT8, shape=[1, c.hidden]), c.history)],
+        grpc.StatusCode.INVALID_ARGUMENT, "int8 needs one scale per row: 0 scales for 1 rows"),
+    "int8 with a zero scale": lambda c: _case(
+        [step(pb.Tensor(data=bytes(c.hidden), dtype=INT8, shape=[1, c.hidden], scale=[0.0]), c.history)],
+        grpc.StatusCode.INVALID_ARGUMENT, "int8 scales must be finite and positive"),
+    "int8 bytes short of the shape": lambda c: _case(
+        [step(pb.Tensor(data=bytes(c.hidden - 1), dtype=INT8, shape=[1, c.hidden], scale=[1.0]), c.history)],
+        grpc.StatusCode.INVALID_ARGUMENT, "575 bytes do not match shape [1, 576] of int8 (576 bytes"),
+    "int8 step asking for another dtype than the server's": lambda c: _case(
+        [pb.TurnRequest(step=pb.Step(hidden=to_proto(rows(1, c.hidden), INT8), cache_length=c.history,
+                                     answer_dtype="bfloat16"))],
+        grpc.StatusCode.INVALID_ARGUMENT, "answer_dtype 'bfloat16'", "this server's (float32)"),
     "e4m3 step asking for another dtype than the server's": lambda c: _case(
         [pb.TurnRequest(step=pb.Step(hidden=to_proto(rows(1, c.hidden), E4M3), cache_length=c.history,
                                      answer_dtype="float16"))],

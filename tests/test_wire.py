@@ -16,7 +16,7 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 from infemeral.client.client import Client
 from infemeral.client.sampling import SamplingParams
 from infemeral.protocol import pb
-from infemeral.protocol.tensors import E4M3, WIRE_DTYPES, from_proto
+from infemeral.protocol.tensors import E4M3, EIGHT_BIT, INT8, WIRE_DTYPES, Wire, from_proto
 
 pytestmark = pytest.mark.slow
 
@@ -222,7 +222,7 @@ def test_hidden_states_are_rotated_not_plain(recorded, reference):
     assert cos.abs().max() < 0.5, "sent hidden states are (close to) the plain residual stream"
 
 
-@pytest.mark.parametrize("wire", ["e4m3", "e4m3-up"])
+@pytest.mark.parametrize("wire", ["int8", "int8-up", "e4m3", "e4m3-up"])
 def test_the_8bit_wire_sends_a_byte_per_element_and_is_answered_in_the_wire_asked_for(server, bundles, wire):
     recorder = TurnRecorder()
     with Client(f"127.0.0.1:{server.port}", bundles.client_dir, timeout=120, interceptors=[recorder],
@@ -234,14 +234,32 @@ def test_the_8bit_wire_sends_a_byte_per_element_and_is_answered_in_the_wire_aske
     replies = [pb.TurnResponse.FromString(raw) for raw in recorder.replies[0]]
     for i, request in enumerate(requests):
         check_fields(request, f"message {i}")
-    answer = E4M3 if wire == "e4m3" else info.dtype
+    code = INT8 if wire.startswith("int8") else E4M3
+    answer = code if wire in ("int8", "e4m3") else info.dtype
     sent_rows = 0
     for s in steps(requests):
         rows = s.hidden.shape[0]
-        assert s.hidden.dtype == E4M3 and len(s.hidden.data) == rows * hidden and len(s.hidden.scale) == rows
-        assert s.answer_dtype == ("" if wire == "e4m3" else info.dtype)
+        assert s.hidden.dtype == code and len(s.hidden.data) == rows * hidden and len(s.hidden.scale) == rows
+        assert s.answer_dtype == ("" if answer == code else info.dtype)
         sent_rows += rows
     assert sent_rows >= result.prompt_tokens
     answers = [r.step.hidden for r in replies if r.WhichOneof("kind") == "step"]
     assert answers and {a.dtype for a in answers} == {answer}
-    assert all(len(a.scale) == (a.shape[0] if answer == E4M3 else 0) for a in answers)
+    assert all(len(a.scale) == (a.shape[0] if answer in EIGHT_BIT else 0) for a in answers)
+
+
+@pytest.mark.parametrize("wire", ["int8", "int8-up"])
+def test_over_the_int8_wire_greedy_decoding_gives_the_exact_wires_tokens(server, bundles, wire):
+    """Rounded to 255 levels per token, the prompt (and with int8 the answers) still lead the float32 server to the
+    exact wire's greedy tokens on the default model: the wire is encoded, decoded and answered as it should be."""
+    prompt, params = "Tell me a story about a lighthouse.", SamplingParams(max_new_tokens=12, speculate="off")
+    tokens = {}
+    for mode in ("server", wire):
+        recorder = TurnRecorder()
+        with Client(f"127.0.0.1:{server.port}", bundles.client_dir, timeout=120, interceptors=[recorder],
+                    wire=mode) as client:
+            tokens[mode] = client.generate(prompt, params).token_ids
+            assert client.wire == Wire.choose(mode, "float32")
+        sent = {s.hidden.dtype for s in steps([pb.TurnRequest.FromString(raw) for raw in recorder.turns[0]])}
+        assert sent == ({INT8} if mode == wire else {"float32"})
+    assert len(tokens["server"]) == 12 and tokens[wire] == tokens["server"]

@@ -1,4 +1,5 @@
-"""The wire encodings of hidden states: the 8-bit e4m3 wire's per-token scale, its checks, and the client's choice."""
+"""The wire encodings of hidden states: the 8-bit wires' per-token scale (int8 and e4m3), their checks, and the client's
+choice."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from infemeral.client.settings import ClientSettings
 from infemeral.errors import InvalidArgument
 from infemeral.protocol import pb
-from infemeral.protocol.tensors import E4M3, WIRE_DTYPES, Wire, from_proto, to_proto
+from infemeral.protocol.tensors import E4M3, EIGHT_BIT, INT8, WIRE_DTYPES, Wire, from_proto, to_proto
 
 D = 64
 
@@ -58,30 +59,73 @@ def test_e4m3_takes_bfloat16_and_plain_dtypes_are_cast():
     assert to_proto(x).dtype == "bfloat16"  # no dtype: the tensor's own, as before
 
 
-def e4m3(data: bytes, rows: int, scale: list[float]) -> pb.Tensor:
-    return pb.Tensor(data=data, dtype=E4M3, shape=[rows, D], scale=scale)
+def test_int8_is_a_byte_per_element_and_a_scale_per_row_within_half_a_level():
+    x = hidden_like()
+    msg = to_proto(x, INT8)
+    assert msg.dtype == INT8 and list(msg.shape) == [6, D]
+    assert len(msg.data) == 6 * D and len(msg.scale) == 6
+    y = from_proto(msg, D, 16)
+    assert y.dtype == torch.float32
+    scale = torch.tensor(msg.scale).unsqueeze(1)
+    torch.testing.assert_close(scale.squeeze(1), x.abs().amax(dim=1) / 127)  # the row's largest element is 127
+    # 255 even levels, rounded to the nearest: no element further than half a level (float32's rounding aside)
+    assert ((y - x).abs() <= scale * (0.5 + 1e-4)).all()
+    assert (y - x).abs().max() > scale.min() / 100  # and it is not a lossless copy
+
+
+def test_on_rows_in_a_random_basis_int8_is_closer_than_e4m3():
+    """No outlier channel survives a random orthogonal basis, so a row's largest element is a few times its RMS:
+    int8's even levels then round closer than e4m3's 3-bit mantissa (why int8 is offered)."""
+    rotation, _ = torch.linalg.qr(torch.randn(D, D, generator=torch.Generator().manual_seed(1)))
+    x = hidden_like(32) @ rotation
+
+    def error(name: str) -> float:
+        return float((from_proto(to_proto(x, name), D, 32) - x).norm() / x.norm())
+
+    assert error(INT8) < error(E4M3) / 2
+
+
+def test_int8_rows_of_zeros_and_of_extreme_magnitudes_stay_finite():
+    x = hidden_like(4)
+    x[0] = 0.0
+    x[1] *= 1e30
+    x[2] *= 1e-35
+    msg = to_proto(x, INT8)
+    y = from_proto(msg, D, 16)
+    assert (y[0] == 0).all() and torch.isfinite(y).all()
+    torch.testing.assert_close(y[1], x[1], rtol=0, atol=float(msg.scale[1]) * 0.51)
+
+
+def malformed(name: str) -> dict:
+    """Tensors of the 8-bit dtype `name` that a peer must refuse, and a fragment of each refusal."""
+    def tensor(data: bytes, rows: int, scale: list[float]) -> pb.Tensor:
+        return pb.Tensor(data=data, dtype=name, shape=[rows, D], scale=scale)
+
+    return {
+        "one scale for two rows": (tensor(bytes(2 * D), 2, [1.0]), f"{name} needs one scale per row: 1 scales for 2"),
+        "no scales": (tensor(bytes(D), 1, []), "0 scales for 1 rows"),
+        "NaN scale": (tensor(bytes(D), 1, [float("nan")]), "finite and positive"),
+        "infinite scale": (tensor(bytes(D), 1, [float("inf")]), "finite and positive"),
+        "zero scale": (tensor(bytes(D), 1, [0.0]), "finite and positive"),
+        "negative scale": (tensor(bytes(D), 1, [-1.0]), "finite and positive"),
+        "bytes short of the shape": (tensor(bytes(D - 1), 1, [1.0]),
+                                     f"{D - 1} bytes do not match shape [1, {D}] of {name} ({D} bytes expected)"),
+        "two bytes an element": (tensor(bytes(2 * D), 1, [1.0]), f"{2 * D} bytes do not match shape"),
+        "overflow past float32": (tensor(bytes([0x7E]) * D, 1, [1e38]), "NaN or infinite"),  # 448 or 126, x 1e38
+    }
 
 
 NAN_E4M3 = bytes([0x7F])  # e4m3fn has no infinity; 0x7F is NaN
-BAD = {
-    "one scale for two rows": (e4m3(bytes(2 * D), 2, [1.0]), "one scale per row: 1 scales for 2 rows"),
-    "no scales": (e4m3(bytes(D), 1, []), "0 scales for 1 rows"),
-    "NaN scale": (e4m3(bytes(D), 1, [float("nan")]), "finite and positive"),
-    "infinite scale": (e4m3(bytes(D), 1, [float("inf")]), "finite and positive"),
-    "zero scale": (e4m3(bytes(D), 1, [0.0]), "finite and positive"),
-    "negative scale": (e4m3(bytes(D), 1, [-1.0]), "finite and positive"),
-    "bytes short of the shape": (e4m3(bytes(D - 1), 1, [1.0]),
-                                 f"{D - 1} bytes do not match shape [1, {D}] of {E4M3} ({D} bytes expected)"),
-    "two bytes an element": (e4m3(bytes(2 * D), 1, [1.0]), f"{2 * D} bytes do not match shape"),
-    "NaN element": (e4m3(NAN_E4M3 + bytes(D - 1), 1, [1.0]), "NaN or infinite"),
-    "overflow past float32": (e4m3(bytes([0x7E]) * D, 1, [1e38]), "NaN or infinite"),  # 448 x 1e38
-    "scales on bfloat16": (pb.Tensor(data=bytes(2 * D), dtype="bfloat16", shape=[1, D], scale=[1.0]),
-                           "bfloat16 carries no scales"),
+BAD = {(name, case): bad for name in EIGHT_BIT for case, bad in malformed(name).items()} | {
+    (E4M3, "NaN element"): (pb.Tensor(data=NAN_E4M3 + bytes(D - 1), dtype=E4M3, shape=[1, D], scale=[1.0]),
+                            "NaN or infinite"),
+    ("bfloat16", "scales on bfloat16"): (pb.Tensor(data=bytes(2 * D), dtype="bfloat16", shape=[1, D], scale=[1.0]),
+                                         "bfloat16 carries no scales"),
 }
 
 
-@pytest.mark.parametrize("case", BAD)
-def test_a_malformed_e4m3_tensor_is_refused_with_what_is_wrong(case):
+@pytest.mark.parametrize("case", BAD, ids=[f"{name} {case}" for name, case in BAD])
+def test_a_malformed_8bit_tensor_is_refused_with_what_is_wrong(case):
     msg, fragment = BAD[case]
     with pytest.raises(InvalidArgument) as info:
         from_proto(msg, D, 16)
@@ -93,12 +137,14 @@ def test_the_client_setting_chooses_the_wire():
     assert Wire.choose("server", "float32") == Wire("float32")     # the exact path
     assert Wire.choose("e4m3", "bfloat16") == Wire(E4M3)            # answers in the dtype sent
     assert Wire.choose("e4m3-up", "bfloat16") == Wire(E4M3, "bfloat16")
+    assert Wire.choose("int8", "bfloat16") == Wire(INT8)
+    assert Wire.choose("int8-up", "float32") == Wire(INT8, "float32")
     assert Wire.choose("server", "float64") == Wire("float32")     # a dtype the wire has not: float32
-    with pytest.raises(ValueError, match="wire must be one of server, e4m3, e4m3-up"):
+    with pytest.raises(ValueError, match="wire must be one of server, int8, int8-up, e4m3, e4m3-up"):
         Wire.choose("int4", "bfloat16")
     # every value the setting accepts is a wire, and the default is today's
     modes = typing.get_args(ClientSettings.model_fields["wire"].annotation)
-    assert all(Wire.choose(mode, "bfloat16").upload in (*WIRE_DTYPES, E4M3) for mode in modes)
+    assert all(Wire.choose(mode, "bfloat16").upload in (*WIRE_DTYPES, *EIGHT_BIT) for mode in modes)
     assert ClientSettings().wire == "server"
 
 

@@ -35,7 +35,7 @@ def audit(prompt: str | None = None, client_bundle: str | Path | None = None, *,
           server_bundle: str | Path | None = None, public_model: str | Path | WeightSource | None = None,
           wire_dtype: str = "float32", progress: bool = False) -> AuditReport:
     """Measure what each observer recovers of `prompt` (default: a built-in sensitive sample), as the pod receives
-    it over a wire of `wire_dtype` (the server's dtype, or float8_e4m3fn for the 8-bit wire)."""
+    it over a wire of `wire_dtype` (the server's dtype, or int8 or float8_e4m3fn for an 8-bit wire)."""
     prompt = DEFAULT_PROMPT if prompt is None else prompt
     if not prompt.strip():
         raise InvalidArgument("the prompt is empty: pass the text to audit, or leave it out to audit the "

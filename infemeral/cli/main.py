@@ -196,9 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--public-model", metavar="DIR|GGUF",
                    help="the public model the bundles were prepared from: attack with its weights and solve Q from "
                         "the server bundle, instead of simulating that operator with the client's own Q")
-    a.add_argument("--wire-dtype", default="float32", choices=["float32", "bfloat16", "float16", "float8_e4m3fn"],
-                   help="dtype of the hidden states on the wire (the server's dtype, or float8_e4m3fn for --wire e4m3 "
-                        "or e4m3-up; default: float32)")
+    a.add_argument("--wire-dtype", default="float32",
+                   choices=["float32", "bfloat16", "float16", "int8", "float8_e4m3fn"],
+                   help="dtype of the hidden states on the wire (the server's dtype; int8 for --wire int8 or int8-up, "
+                        "float8_e4m3fn for --wire e4m3 or e4m3-up; default: float32)")
     a.add_argument("--json", action="store_true", help="print the report as JSON")
     a.add_argument("--show-tokens", action="store_true",
                    help="also print what each attack recovers of your text (that is your secret: mind your screen)")

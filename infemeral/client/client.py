@@ -58,7 +58,7 @@ class Client:
 
     `client_dtype` (auto, float32, bfloat16, float16), `client_device` (auto, cpu, cuda, mps) and
     `client_quant` (auto, none, int8) choose how the local half computes; None takes
-    INFEMERAL_CLIENT_* or auto. `wire` (server, e4m3, e4m3-up; None takes INFEMERAL_WIRE or server)
+    INFEMERAL_CLIENT_* or auto. `wire` (server, int8, int8-up, e4m3, e4m3-up; None takes INFEMERAL_WIRE or server)
     chooses how hidden states travel (`ClientSettings.wire`)."""
 
     def __init__(self, server: str = "127.0.0.1:50051", client_bundle: str | Path | None = None, *,

@@ -42,11 +42,12 @@ class ClientSettings(BaseSettings):
         "auto", description="where the laptop's half runs (auto: cuda, else mps, else cpu)")
     client_quant: Literal["auto", "none", "int8"] = Field(
         "auto", description="int8: int8 weight-only LM head and local layers (auto: what the bundle holds)")
-    wire: Literal["server", "e4m3", "e4m3-up"] = Field(
+    wire: Literal["server", "int8", "int8-up", "e4m3", "e4m3-up"] = Field(
         "server", description="how hidden states travel. server: in the server's dtype both ways (float32, the "
-                              "exact path, on a float32 server); e4m3: 8-bit floats with a scale per token both "
-                              "ways (half of bfloat16's bytes; close, not exact); e4m3-up: 8-bit uploads (the "
-                              "prompt), answers in the server's dtype")
+                              "exact path, on a float32 server); int8: 8-bit integers with a scale per token both "
+                              "ways (half of bfloat16's bytes; close, not exact); int8-up: 8-bit uploads (the "
+                              "prompt), answers in the server's dtype; e4m3, e4m3-up: the same with 8-bit floats "
+                              "(coarser on these hidden states)")
     max_new_tokens: int = Field(256, ge=1, description="most tokens to generate per answer")
     temperature: float = Field(0.0, ge=0, description="sampling temperature; 0 is greedy")
     top_k: int = Field(0, ge=0, description="sample from the k most likely tokens (0: off)")

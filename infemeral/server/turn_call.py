@@ -38,7 +38,7 @@ import grpc
 from infemeral.cloak.bundle import dtype_name
 from infemeral.errors import DeadlineExceeded, InvalidArgument, StatusError
 from infemeral.protocol import pb
-from infemeral.protocol.tensors import E4M3, from_proto, to_proto
+from infemeral.protocol.tensors import EIGHT_BIT, from_proto, to_proto
 from infemeral.server.config import ServiceLimits
 from infemeral.server.engine import BUSY_GRACE_SECONDS, Engine, SessionInTurn, short_id
 from infemeral.server.turn import Turn
@@ -195,15 +195,16 @@ class TurnCall:
         started = time.perf_counter()
         answer_dtype = self._answer_dtype(step)
         hidden = from_proto(step.hidden, self.engine.hidden_size, self.engine.max_step_tokens)
-        if step.hidden.dtype == E4M3:  # decoded to float32: into the layers' dtype, which it is then answered in
+        if step.hidden.dtype in EIGHT_BIT:  # decoded to float32: into the layers' dtype, which it is answered in
             hidden = hidden.to(self.engine.dtype)
         await self._refresh_lock()
         future = self.engine.submit_step(self.turn, hidden, step.cache_length, step.outputs, step.evict,
                                          list(step.parents))
         out = await self._bounded(asyncio.wrap_future(future))
         self.engine.metrics.step_answered(time.perf_counter() - started)
-        # The engine answers in the dtype of `hidden`, and checked the answer in it; any finite row fits e4m3.
-        return pb.TurnResponse(step=pb.StepResult(hidden=to_proto(out.hidden, E4M3 if answer_dtype == E4M3 else None),
+        # The engine answers in the dtype of `hidden`, and checked the answer in it; any finite row fits 8 bits.
+        wire = answer_dtype if answer_dtype in EIGHT_BIT else None
+        return pb.TurnResponse(step=pb.StepResult(hidden=to_proto(out.hidden, wire),
                                                   cache_length=out.cache_length, evicted=out.num_evicted))
 
     def _answer_dtype(self, step: pb.Step) -> str:
@@ -211,10 +212,10 @@ class TurnCall:
         if not step.answer_dtype:
             return step.hidden.dtype
         own = dtype_name(self.engine.dtype)  # as ServerInfo.dtype names it
-        if step.hidden.dtype != E4M3 or step.answer_dtype != own:
-            raise InvalidArgument(f"answer_dtype {step.answer_dtype!r}: only a step sent in {E4M3} may ask for its "
-                                  f"answer in another dtype, and only in this server's ({own}); leave it empty to "
-                                  "be answered in the dtype sent")
+        if step.hidden.dtype not in EIGHT_BIT or step.answer_dtype != own:
+            raise InvalidArgument(f"answer_dtype {step.answer_dtype!r}: only a step sent in 8 bits "
+                                  f"({' or '.join(EIGHT_BIT)}) may ask for its answer in another dtype, and only "
+                                  f"in this server's ({own}); leave it empty to be answered in the dtype sent")
         return step.answer_dtype
 
     async def _refresh_lock(self) -> None:
