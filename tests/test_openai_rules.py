@@ -213,11 +213,12 @@ class FakeSession:
 class FakePool:
     def __init__(self, *versions: int):
         self.sessions = [FakeSession(v) for v in versions]
-        self.handed, self.discarded, self.released = [], [], []
+        self.handed, self.discarded, self.released, self.fresh = [], [], [], []
 
-    def acquire(self, prompt_ids):
+    def acquire(self, prompt_ids, *, fresh=False):
         session = self.sessions[len(self.handed)]
         self.handed.append(session)
+        self.fresh.append(fresh)
         return session
 
     def discard(self, session):
@@ -251,6 +252,7 @@ def test_a_pooled_session_whose_state_is_gone_is_dropped_and_retried_once(gone):
     answer = answer_failing_with(pool, gone)
     assert answer.first() == "hello"
     assert pool.discarded == [pool.sessions[0]] and answer.session is pool.sessions[1]
+    assert pool.fresh == [False, True]  # the retry takes a new session, not another pooled one
     answer.close()
     assert pool.released == [pool.sessions[1]]
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from infemeral.endpoint.answer import Answer
 from infemeral.endpoint.session_pool import SessionPool
-from infemeral.errors import Unavailable
+from infemeral.errors import NotFound, Unavailable
 
 
 class FakeSession:
@@ -138,6 +139,30 @@ def test_a_discarded_session_is_deleted_and_never_handed_out_again():
     pool.discard(s)
     assert client.deleted == [s] and pool.num_sessions == 0
     assert pool.acquire([1, 2, 3, 4]) is not s
+
+
+def test_a_request_whose_session_is_gone_is_retried_on_a_new_session_not_another_pooled_one():
+    """The server no longer holds the pooled session a request continues: the other idle sessions may be as
+    stale (a TTL expires them all), so the retry opens a new session even where another would take the prompt
+    (here one that keeps as much as it drops)."""
+    client = FakeClient()
+    pool = SessionPool(client, max_sessions=4)
+    other, gone = pool.acquire([1, 2, 3, 4]), pool.acquire([1, 2, 5, 6])
+    finish(pool, other, [1, 2, 3, 4])
+    finish(pool, gone, [1, 2, 5, 6, 7])
+    tried = []
+
+    def start(session):
+        tried.append(session)
+        if session.version:  # every committed session has expired on the server
+            raise NotFound("no stored state for this session [NOT_FOUND]")
+        yield "hello"
+
+    answer = Answer(pool, [1, 2, 5, 6, 7, 8], start)
+    assert answer.first() == "hello"
+    assert tried == [gone, client.opened[2]] and client.deleted == [gone]
+    answer.close()
+    assert pool.stats.num_discarded == 1 and pool.num_sessions == 2  # `other` is left for its own conversation
 
 
 def test_the_bound_must_hold_a_session():

@@ -59,8 +59,8 @@ class Answer:
         is gone (`session_is_gone`) is dropped and the request starts over, once, on a new one."""
         for attempt in range(2):
             lease = {"conversation": self.conversation, "resume": None if attempt else self.resume} \
-                if self.conversation is not None else {}  # a retry starts the conversation's session afresh
-            self.session = self.pool.acquire(self.prompt_ids, **lease)
+                if self.conversation is not None else {}
+            self.session = self.pool.acquire(self.prompt_ids, **lease, fresh=bool(attempt))  # a retry starts afresh
             had_state = bool(self.session.version)
             self._deltas = self.start(self.session)
             try:

@@ -76,17 +76,21 @@ class SessionPool:
             return len(self._busy)
 
     def acquire(self, target_ids: list[int], conversation: str | None = None,
-                resume: Callable[[], object | None] | None = None):
+                resume: Callable[[], object | None] | None = None, *, fresh: bool = False):
         """A session for a request whose prompt is `target_ids`, reserved until `release` or `discard`.
 
         `conversation`: the saved conversation the request continues; its own session is the only one it
-        takes, and `resume()` gives it (or None: a new one) when the pool holds none."""
-        if conversation is None:
+        takes, and `resume()` gives it (or None: a new one) when the pool holds none. `fresh`: a new session
+        whatever the pool holds (a retry after the server refused a pooled session as gone: the other idle
+        sessions may be as stale, all expired or an older copy of the store restored)."""
+        if conversation is None and not fresh:
             forked = self._fork_for(target_ids)
             if forked is not None:
                 return forked
         with self._lock:
-            if conversation is None:
+            if fresh:
+                session = None
+            elif conversation is None:
                 session = self._best_match(target_ids)
             else:
                 session = self._of_conversation(conversation)
