@@ -41,6 +41,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--spec-workloads", default="",
                         help="comma-separated workloads of the speculation section (copy,document,code,chat; "
                              "default: all)")
+    parser.add_argument("--spec-variants", default="",
+                        help="comma-separated draft sources the speculation section's chat runs besides speculation "
+                             "off and prompt lookup (answers,draft,head,head-chain,auto; default: all)")
     parser.add_argument("--out", type=Path, default=None,
                         help="output directory for results.json, REPORT.md and plots (default docs/benchmarks for a "
                              "run of every section; a run with --only writes files only when --out is given)")
@@ -53,6 +56,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     unknown = {w for w in args.spec_workloads.split(",") if w} - set(WORKLOADS)
     if unknown:
         parser.error(f"--spec-workloads takes {','.join(WORKLOADS)}, not {','.join(sorted(unknown))}")
+    from bench.sections.speculation import VARIANTS
+
+    known = {v for vs in VARIANTS.values() for v in vs}
+    unknown = {v for v in args.spec_variants.split(",") if v} - known
+    if unknown:
+        parser.error(f"--spec-variants takes {','.join(sorted(known))}, not {','.join(sorted(unknown))}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda but torch sees no CUDA device")
     if args.model == "random-8b" and args.device != "cuda":
@@ -84,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     start = CpuSnapshot.take()
     with tempfile.TemporaryDirectory(prefix="infemeral-bench-") as tmp:
         params = dataclasses.replace(QUICK if args.quick else FULL,
-                                     spec_workloads=tuple(w for w in args.spec_workloads.split(",") if w))
+                                     spec_workloads=tuple(w for w in args.spec_workloads.split(",") if w),
+                                     spec_variants=tuple(v for v in args.spec_variants.split(",") if v))
         wb = Workbench(model=args.model, device=args.device, dtype=args.dtype, params=params, tmp=Path(tmp),
                        quick=args.quick)
         try:

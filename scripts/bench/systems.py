@@ -70,6 +70,7 @@ class Params:
     spec_prompts: int = 5
     spec_repeats: int = 2  # each run of the speculation section this often, the fastest kept (noise)
     spec_workloads: tuple[str, ...] = ()  # workloads of the speculation section (empty: all)
+    spec_variants: tuple[str, ...] = ()   # extra draft sources of the speculation section's chat (empty: all)
 
 
 FULL = Params(decode_tokens=64, decode_reps=3, contexts=[128, 256, 512, 1024, 2048, 4096], context_steps=32,

@@ -9,8 +9,10 @@ to the last token. Open chat also runs two other draft sources: the answer index
 earlier answers — warmed with the answers to ten other questions, and frozen, so no prompt drafts from
 its own answer), a draft model (the packaged SmolLM2 drafting for itself: as good a draft model as
 there can be, and as costly as the served model — the worst case for its cost), a draft head (EAGLE-style,
-trained once by `train-drafter`'s defaults on its own chat prompts and cached under `.bundles/`), and
-`auto` (every source at once, the turn loop choosing step by step). The laptop's milliseconds per draft
+trained once by `train-drafter`'s defaults on its own chat prompts and cached under `.bundles/`) sending
+draft trees and, separately, chains only, and `auto` (every source at once, the turn loop choosing step by
+step). The head's tokens per round trip (accepted drafts + 1 per decode step) do not depend on the hardware:
+they are what the head is worth where verifying many positions costs about one step (a GPU pod). The laptop's milliseconds per draft
 token are timed around each costly source's proposals. Separately, at the Llama-3-8B shape (random
 weights), the laptop's cost per draft token of a head with its LM head, in bf16 and int8, over the full
 vocabulary and a reduced one.
@@ -31,9 +33,14 @@ RTTS_MS = (0, 20, 80)
 TARGET_RTT = 80
 SPEEDUP_TARGETS = {"copy": 3.0, "document": 1.8, "code": 1.8}  # mean over the prompts, at TARGET_RTT
 NEVER_BELOW = 0.95  # every workload, every RTT
-VARIANTS = {"chat": ("answers", "draft", "head", "auto")}  # extra draft sources measured on a workload
-SPECULATE = {"answers": "ngram", "draft": "draft", "head": "head", "auto": "auto"}  # each variant's setting
+VARIANTS = {"chat": ("answers", "draft", "head", "head-chain", "auto")}  # extra draft sources on a workload
+SPECULATE = {"answers": "ngram", "draft": "draft", "head": "head", "head-chain": "head",
+             "auto": "auto"}  # each variant's setting
+VARIANT_PARAMS = {"head-chain": {"draft_trees": False}}  # a variant's other SamplingParams
 HEAD_TARGET = 1.5  # chat with the draft head, at TARGET_RTT
+TREE_TOKENS_TARGET = 2.0   # chat with the head's draft trees: tokens per decode round trip, at TARGET_RTT
+CHAIN_TOKENS_TARGET = 1.6  # the same head sending chains only
+COSTLY = ("draft", "head", "head-chain", "auto")  # modes whose proposals are timed
 HEAD_DIR = ROOT / ".bundles" / "draft-head-default"  # trained once (train-drafter's defaults), then reused
 HEAD_DATA = ROOT / ".bundles" / "train-drafter-cache"
 REDUCED_VOCAB = 32768  # a reduced draft vocabulary at the 8B shape (EAGLE-3's size)
@@ -45,7 +52,8 @@ class SpecRow:
     workload: str
     prompt: int
     rtt_ms: int
-    mode: str                   # "off", "ngram", "answers" (ngram + answer index), "draft", "head", "auto"
+    mode: str                   # "off", "ngram", "answers" (ngram + answer index), "draft", "head" (trees),
+                                # "head-chain" (the head, chains only), "auto"
     generated_tokens: int
     tokens_per_second: float
     time_to_first_token_ms: float
@@ -58,7 +66,10 @@ class SpecRow:
 
     @property
     def tokens_per_round_trip(self) -> float:
-        return self.generated_tokens / self.round_trips if self.round_trips else float("nan")
+        """Tokens per decode step: the accepted drafts + 1 each (the prompt's step, which brings the first
+        token whatever the drafts, is left out). What a source is worth whatever a step costs."""
+        decode_steps = self.round_trips - 1
+        return 1 + self.accepted_drafts / decode_steps if decode_steps > 0 else float("nan")
 
 
 def run(wb) -> Result:
@@ -74,10 +85,11 @@ def run(wb) -> Result:
     head_dir = trained_head(wb)
     split = wb.split()
     chosen = wb.params.spec_workloads or tuple(WORKLOADS)
+    variants = wb.params.spec_variants or tuple(v for vs in VARIANTS.values() for v in vs)
     workloads = {w: prompts[:wb.params.spec_prompts] for w, prompts in WORKLOADS.items() if w in chosen}
     answers = AnswerIndex()
     drafter = DraftModel(wb.reference)
-    clocks = {v: DraftClock() for v in ("draft", "head", "auto")}
+    clocks = {v: DraftClock() for v in COSTLY}
     rows: list[SpecRow] = []
     for rtt in RTTS_MS:
         with DelayProxy(split.address, rtt_ms=rtt) as proxy:
@@ -89,8 +101,9 @@ def run(wb) -> Result:
                        "auto": Client(proxy.address, wb.client_dir, timeout=600, answer_index=answers,
                                       draft_model=TimedSource(drafter, clocks["auto"]), client_device="cpu")}
             if head_dir is not None:
-                clients["head"] = Client(proxy.address, wb.client_dir, timeout=600, client_device="cpu")
-                for name in ("head", "auto"):
+                for name in ("head", "head-chain"):  # each learns its own acceptance and step costs
+                    clients[name] = Client(proxy.address, wb.client_dir, timeout=600, client_device="cpu")
+                for name in ("head", "head-chain", "auto"):
                     clients[name].draft_head = TimedSource(DraftHead.load(head_dir, clients[name].model),
                                                            clocks[name])
             try:
@@ -102,7 +115,8 @@ def run(wb) -> Result:
                 for repeat in range(wb.params.spec_repeats):
                     for workload, prompts in workloads.items():
                         for i, prompt in enumerate(prompts):
-                            rows += measure_prompt(clients, clocks, workload, i, prompt, rtt, n, repeat)
+                            rows += measure_prompt(clients, clocks, workload, i, prompt, rtt, n, repeat,
+                                                   variants)
             finally:
                 for client in clients.values():
                     client.close()
@@ -123,6 +137,7 @@ def run(wb) -> Result:
               "(the packaged SmolLM2 drafting for itself: the best drafts there can be, at the full cost of the "
               "served model on this CPU), with a draft head (trained once with `train-drafter`'s defaults on its "
               "own chat prompts, none of them the benchmark's, and cached in `.bundles/`; float32 like the client) "
+              "sending draft trees (`head`) and chains only (`head-chain`, SamplingParams.draft_trees off), "
               "and with `auto` (prompt lookup, answer index, head and draft model all available; the turn loop "
               "chooses each step). The laptop's time proposing is timed around every costly source's proposals. "
               f"The 8B-shaped cost: a random-weight head and LM head of Llama-3-8B's shape, {COST_DRAFTS} drafts "
@@ -264,29 +279,30 @@ def warm_answer_index(client, answers, n: int) -> None:
     log(f"  answer index warmed with {len(EARLIER_CHAT_PROMPTS)} answers ({answers.num_tokens} tokens)")
 
 
-def turn(client, prompt: str, n: int, speculate: str):
+def turn(client, prompt: str, n: int, speculate: str, **params):
     from infemeral.client.sampling import SamplingParams
 
     session = client.new_session()
     try:
-        return session.chat(prompt, SamplingParams(max_new_tokens=n, speculate=speculate))
+        return session.chat(prompt, SamplingParams(max_new_tokens=n, speculate=speculate, **params))
     finally:
         session.delete()
 
 
 def measure_prompt(clients: dict, clocks: dict, workload: str, i: int, prompt: str, rtt: int,
-                   n: int, repeat: int = 0) -> list[SpecRow]:
+                   n: int, repeat: int = 0, variants: tuple[str, ...] | None = None) -> list[SpecRow]:
     """Speculation off and on for one prompt (order alternating between prompts and repeats), then the
-    variants."""
+    variants (those of `variants`; None: all)."""
     runs = [("off", "plain", "off"), ("ngram", "plain", "ngram")]
     runs = runs if (i + repeat) % 2 == 0 else runs[::-1]
-    runs += [(v, v, SPECULATE[v]) for v in VARIANTS.get(workload, ()) if v in clients]
+    runs += [(v, v, SPECULATE[v]) for v in VARIANTS.get(workload, ())
+             if v in clients and (variants is None or v in variants)]
     results = {}
     for mode, client, speculate in runs:
         clock = clocks.get(mode)
         mark = clock.mark() if clock else None
         t = now()
-        r = turn(clients[client], prompt, n, speculate)
+        r = turn(clients[client], prompt, n, speculate, **VARIANT_PARAMS.get(mode, {}))
         results[mode] = (r, now() - t, clock.ms_per_token_since(mark) if clock else float("nan"))
     baseline = results["off"][0].token_ids
     out = []
@@ -294,10 +310,11 @@ def measure_prompt(clients: dict, clocks: dict, workload: str, i: int, prompt: s
         out.append(SpecRow(workload, i, rtt, mode, r.generated_tokens, r.tokens_per_second,
                            r.time_to_first_token * 1000, r.round_trips, r.drafted_tokens, r.accepted_drafts, wall,
                            r.token_ids == baseline, draft_ms))
-    on, off = results["ngram"][0], results["off"][0]
+    on, off = next(r for r in out if r.mode == "ngram"), results["off"][0]
     log(f"    {workload:8s} #{i}: {off.tokens_per_second:5.1f} -> {on.tokens_per_second:5.1f} tok/s "
         f"({ratio(on.tokens_per_second, off.tokens_per_second):.2f}x), {on.tokens_per_round_trip:.2f} tokens/round trip"
-        + "".join(f", {m} {results[m][0].tokens_per_second:.1f} tok/s" for m in results if m not in ("off", "ngram")))
+        + "".join(f", {row.mode} {row.tokens_per_second:.1f} tok/s ({row.tokens_per_round_trip:.2f}/round trip)"
+                  for row in out if row.mode not in ("off", "ngram")))
     return out
 
 
@@ -375,6 +392,7 @@ def make_targets(facts: dict) -> list:
         targets.append(at_least(NAME, "chat_head_never_slower", f"chat with the head (alone and auto) at every RTT "
                                 f"(0 ms included) >= {NEVER_BELOW}x speculation off", value, NEVER_BELOW,
                                 f"lowest {fmt(value, '.2f')}x: {where}"))
+        targets += head_targets(cells)
         autos = [c for c in cells.values() if c["mode"] == "auto"]
         worst = min(autos, key=lambda c: c["mean_vs_lookup"]) if autos else None
         value = worst["mean_vs_lookup"] if worst else float("nan")
@@ -389,12 +407,35 @@ def make_targets(facts: dict) -> list:
     return targets
 
 
+def head_targets(cells: dict) -> list:
+    """What the head is worth over a WAN whatever a step costs (tokens per decode round trip with draft trees
+    and with chains, at TARGET_RTT), and that neither ever slows chat on this CPU."""
+    targets = []
+    for mode, name, goal in (("head", "tree", TREE_TOKENS_TARGET), ("head-chain", "chain", CHAIN_TOKENS_TARGET)):
+        cell = cells.get(f"chat/{mode}/{TARGET_RTT}")
+        value = cell["mean_tokens_per_round_trip"] if cell else float("nan")
+        targets.append(at_least(NAME, f"{name}_tokens_per_round_trip",
+                                f"chat with the draft head's {name}s: tokens per decode round trip (accepted drafts "
+                                f"+ 1) >= {goal}, at {TARGET_RTT} ms RTT (mean over the prompts)", value, goal,
+                                f"{fmt(value, '.2f')} ≥ {goal}"))
+    heads = [c for c in cells.values() if c["workload"] == "chat" and c["mode"] in ("head", "head-chain")]
+    worst = min(heads, key=lambda c: c["mean_speedups"]) if heads else None
+    value = worst["mean_speedups"] if worst else float("nan")
+    where = f"; {worst['mode']} at {worst['rtt_ms']} ms" if worst else ""
+    rtts = "/".join(str(rtt) for rtt in RTTS_MS)
+    targets.append(at_least(NAME, "no_slowdown", f"chat with the draft head, trees and chains, >= {NEVER_BELOW}x "
+                            f"speculation off at every RTT ({rtts} ms)", value, NEVER_BELOW,
+                            f"worst {fmt(value, '.2f')}× ≥ {NEVER_BELOW}× at {rtts} ms{where}"))
+    return targets
+
+
 def report(r: Result) -> list[str]:
     cells = r.facts["cells"]
     lines = [r.method + "\n",
              "Speedup = tokens/s with speculation / tokens/s without, per prompt, averaged over the prompts "
-             "(mean tokens/s without → with beside it). Tokens per round trip = generated tokens / steps that "
-             "produced tokens (1.0 without speculation). TTFT ratio = time to first token with / without.\n",
+             "(mean tokens/s without → with beside it). Tokens per round trip = accepted drafts + 1 per decode "
+             "step (1.0 without speculation; the prompt's step left out). TTFT ratio = time to first token with / "
+             "without.\n",
              "| workload | drafts | RTT | speedup | tokens/s (off → on) | tokens per round trip | TTFT ratio | "
              "laptop ms per draft token |",
              "|---|---|---|---|---|---|---|---|"]
@@ -404,10 +445,10 @@ def report(r: Result) -> list[str]:
         lines.append(f"| {cell['workload']} | {cell['mode']} | {cell['rtt_ms']} ms | "
                      f"{fmt(cell['mean_speedups'], '.2f')}x | {tps} | "
                      f"{fmt(cell['mean_tokens_per_round_trip'], '.2f')} | {fmt(cell['mean_ttft_ratio'], '.2f')} | "
-                     f"{fmt(cell.get('mean_draft_ms'), '.1f') if cell['mode'] in ('draft', 'head', 'auto') else '–'} |")
+                     f"{fmt(cell.get('mean_draft_ms'), '.1f') if cell['mode'] in COSTLY else '–'} |")
     lines += ["", "drafts: `ngram` = prompt lookup over the conversation; `answers` = prompt lookup, then the answer "
-              "index of earlier answers; `draft` = prompt lookup, then the draft model; `head` = the draft head alone; "
-              "`auto` = all of them, the turn loop choosing each step by measured acceptance and cost (the default "
+              "index of earlier answers; `draft` = prompt lookup, then the draft model; `head` = the draft head alone, "
+              "sending draft trees; `head-chain` = the same head sending chains only; `auto` = all of them, the turn loop choosing each step by measured acceptance and cost (the default "
               "setting). Laptop ms per draft token: time in the costly sources' proposals / tokens they proposed.\n"]
     head = r.facts.get("head") or {}
     if head:
