@@ -220,3 +220,61 @@ def test_tree_size_grows_where_positions_are_cheap_and_stays_small_where_they_ar
     for _ in range(20):
         size.update(expected=1.5, accepted=0)  # the head's confidence never came true: nothing pays
     assert size.calibration < 0.2 and size.choose(tree, 63) == 0
+
+
+# -- a server that verifies chains only ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_split(reference, tmp_path_factory):
+    """A tiny random Llama with the packaged model's tokenizer (it comes with `reference`, which the suite loads
+    anyway), its bundles and a random draft head for it."""
+    from transformers import AutoModelForCausalLM
+
+    from infemeral.cloak.prepare import prepare
+    from infemeral.cloak.sources import ModelSource
+    from infemeral.speculation.head.model import HeadModel, layer_config
+
+    tokenizer = reference[1]
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=len(tokenizer), max_position_embeddings=256,
+                         tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    out = prepare(output=tmp_path_factory.mktemp("tiny-split"), source=ModelSource(model, tokenizer), progress=False)
+    return out, HeadModel(layer_config(config))
+
+
+@pytest.mark.parametrize("server_trees", [True, False], ids=["trees", "chains-only"])
+def test_the_client_sends_chains_to_a_server_that_verifies_chains_only(tiny_split, tmp_path, monkeypatch,
+                                                                       server_trees):
+    """A head that would send trees every step (depth and size forced) sends them where ServerInfo.draft_trees
+    is true, and chains where it is false (as a FlashInfer server says until its tree case passed), which such
+    a server verifies: the same tokens as speculation off."""
+    from conftest import start_server
+    from infemeral.client.client import Client
+    from infemeral.client.turn_link import TurnLink
+    from infemeral.layers.attention_backends.torch_backend import TorchBackend
+    from infemeral.speculation.draft_length import DraftLength
+    from infemeral.speculation.head.drafter import DraftHead
+
+    out, module = tiny_split
+    monkeypatch.setattr(TorchBackend, "draft_trees", server_trees)
+    monkeypatch.setattr(TreeSize, "choose", lambda self, tree, limit, chain=(), chain_yield=0.0: limit)
+    monkeypatch.setattr(DraftLength, "choose", lambda self, is_free=True: 3)
+    sent = []  # each decode step's parents (None: a chain)
+    step = TurnLink.step
+    monkeypatch.setattr(TurnLink, "step", lambda link, ids, *a, parents=None, **k: (
+        sent.append(parents), step(link, ids, *a, parents=parents, **k))[1])
+    srv = start_server(out, tmp_path / "store")
+    try:
+        with Client(f"127.0.0.1:{srv.port}", out.client_dir, timeout=60) as client:
+            client.draft_head = DraftHead(module, client.model)
+            assert client.server_info().draft_trees is server_trees
+            prompt = list(range(100, 140))
+            on = client.new_session().complete(prompt, SamplingParams(max_new_tokens=12, speculate="head"))
+            off = client.new_session().complete(prompt, SamplingParams(max_new_tokens=12, speculate="off"))
+    finally:
+        srv.stop(0)
+    assert on.token_ids == off.token_ids and on.drafted_tokens > 0
+    trees = [p for p in sent if p is not None]
+    assert bool(trees) is server_trees  # a tree went out only where the server takes them
