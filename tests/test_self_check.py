@@ -25,7 +25,8 @@ CPU = torch.device("cpu")
 
 class FakeBackend:
     """Plays FlashInfer: raises, or returns the PyTorch backend's answer shifted by `offset` (or with NaN in all
-    or one of its values), or gets it right; `only` limits the fault to the windowed cases."""
+    or one of its values), or gets it right; `only` limits the fault to the windowed cases ("window") or to
+    batches holding a draft tree ("tree")."""
 
     name = "flashinfer"
 
@@ -44,7 +45,9 @@ class FakeBackend:
         if self.fail:
             raise RuntimeError(self.fail)
         out = self.inner.run(q, k_pages, v_pages, batch, sm_scale, sliding_window)
-        if self.only is None or (self.only == "window") == (sliding_window is not None):
+        has_tree = any(t is not None for t in getattr(batch, "trees", None) or [])
+        if self.only is None or (has_tree if self.only == "tree" else
+                                 (self.only == "window") == (sliding_window is not None)):
             out = out + self.offset
             if self.nan == "all":
                 out = torch.full_like(out, float("nan"))
@@ -128,6 +131,26 @@ def test_an_explicit_flashinfer_refuses_to_start_with_the_reason():
     assert "no kernel image" in str(e.value) and "--attention-backend torch" in str(e.value)
     with pytest.raises(SelfCheckFailed, match="max \\|flashinfer - reference\\|"):
         check(FakeBackend(offset=0.2), requested="flashinfer")
+
+
+def test_the_tree_case_decides_whether_a_backend_verifies_draft_trees(caplog):
+    """FlashInfer plans a draft tree with a custom mask, apart from its chains: a backend right on the chain cases
+    verifies trees only if its tree case matches too; wrong there, it still serves, chains only (an explicit
+    flashinfer included), in one logged line. A windowed model takes no trees and runs no tree case."""
+    right = check(FakeBackend(), sliding_window=None)
+    assert right.name == "flashinfer" and right.draft_trees is True
+    assert (None, (7, 5, 1)) in right.runs  # the tree beside a chain and a decode
+    for requested in ("auto", "flashinfer"):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="infemeral.server.self_check"):
+            wrong = check(FakeBackend(offset=0.2, only="tree"), requested=requested, sliding_window=None)
+        assert wrong.name == "flashinfer" and wrong.draft_trees is False
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warnings) == 1 and "draft tree" in warnings[0] and "chains only" in warnings[0]
+    windowed = check(FakeBackend(offset=0.2, only="tree"), sliding_window=64)
+    assert not hasattr(windowed, "draft_trees") and (None, (7, 5, 1)) not in windowed.runs
+    assert self_check.attention_failure(TorchBackend(), CPU, **SHAPE, dtype=torch.bfloat16,
+                                        cases=list(self_check.TREE_CASES)) is None
 
 
 def test_a_tolerance_below_rounding_is_not_a_mismatch():

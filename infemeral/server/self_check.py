@@ -8,6 +8,9 @@ runs, before it serves anyone:
   windowed mixed batch, which FlashInfer runs through different wrappers), against the PyTorch paged
   attention in float32 on the CPU. With `auto`, a backend that errs or disagrees is logged in one line and
   replaced by the PyTorch backend; an explicitly requested `flashinfer` refuses to start instead.
+  Then, for a model without a window, a draft tree beside a chain and a decode (FlashInfer plans it with a
+  custom mask): the backend verifies draft trees (ServerInfo.draft_trees) only if it passes; if not, it
+  serves chains only (logged in one line).
 * the served layer: the bundle's first served layer as the server will run it (its dtype, its
   quantised kernels) against the same layer dequantised to float32 on the CPU, over a prefill, a
   decode step and a step of a few positions (speculative verification), since kernels may take
@@ -47,6 +50,7 @@ class AttentionCase:
     kv_lengths: tuple[int, ...]  # cache length of each sequence, new tokens included
     new_tokens: tuple[int, ...]
     window: int | None = None  # checked with the model's window where it is smaller; run only if it has one
+    trees: tuple[tuple[int, ...] | None, ...] | None = None  # per sequence, a draft tree's parents (None: a chain)
 
 
 ATTENTION_CASES = (
@@ -55,6 +59,12 @@ ATTENTION_CASES = (
     AttentionCase("sliding window, decode", (300, 90, 40), (1, 1, 1), window=64),
     AttentionCase("sliding window, mixed batch", (300, 90), (16, 1), window=64),
     AttentionCase("ragged batch", (5, 130, 40, 260), (5, 1, 8, 1)),
+)
+# a tree of 7 rows (two children of the root, two under the first, one below each of three) beside a chain of 5
+# and a decode: each tree row reads the cache, its ancestors and itself; the others read causally
+TREE_CASES = (
+    AttentionCase("draft tree beside a chain and a decode", (40, 107, 60), (7, 5, 1),
+                  trees=((-1, 0, 0, 1, 1, 2, 3), None, None)),
 )
 # the steps of the served-layer check, in positions: a prefill, one decode step, a speculative verification
 LAYER_STEPS = (("prefill", 24), ("decode", 1), ("a few positions", 3))
@@ -65,11 +75,12 @@ class SelfCheckFailed(InfemeralError):
 
 
 class _Batch:
-    """What a backend reads of a PagedBatch: the CSR arrays (int32, on the host)."""
+    """What a backend reads of a PagedBatch: the CSR arrays (int32, on the host) and each sequence's tree."""
 
-    def __init__(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len):
+    def __init__(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, trees=None):
         self.qo_indptr, self.kv_indptr, self.kv_indices, self.kv_last_page_len = (
             qo_indptr, kv_indptr, kv_indices, kv_last_page_len)
+        self.trees = trees
 
 
 def random_pages(case: AttentionCase, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
@@ -109,15 +120,17 @@ def attention_cases(sliding_window: int | None) -> list[AttentionCase]:
 
 
 def attention_failure(backend, device: torch.device, num_qo_heads: int, num_kv_heads: int, head_dim: int,
-                      page_size: int, dtype: torch.dtype, sliding_window: int | None = None) -> str | None:
-    """None if `backend` matches the float32 CPU reference on every case the model needs; else what went wrong,
-    in one line."""
+                      page_size: int, dtype: torch.dtype, sliding_window: int | None = None,
+                      cases: list[AttentionCase] | None = None) -> str | None:
+    """None if `backend` matches the float32 CPU reference on every case the model needs (or of `cases`); else
+    what went wrong, in one line."""
     tolerance = ATTENTION_TOLERANCE[dtype]
     scale = head_dim ** -0.5
-    for case in attention_cases(sliding_window):
+    for case in attention_cases(sliding_window) if cases is None else cases:
         q, k, v, csr = random_pages(case, num_qo_heads, num_kv_heads, head_dim, page_size)
-        want = torch_paged_attention(q, k, v, *csr, scale, case.window)
-        batch = _Batch(*csr)
+        trees = [list(t) if t is not None else None for t in case.trees] if case.trees else None
+        want = torch_paged_attention(q, k, v, *csr, scale, case.window, trees)
+        batch = _Batch(*csr, trees)
         try:
             backend.plan(batch)
             got = backend.run(q.to(device, dtype), k.to(device, dtype), v.to(device, dtype), batch, scale,
@@ -137,13 +150,14 @@ def attention_failure(backend, device: torch.device, num_qo_heads: int, num_kv_h
 
 def checked_attention(requested: str, backend, device: torch.device, num_qo_heads: int, num_kv_heads: int,
                       head_dim: int, page_size: int, dtype: torch.dtype, sliding_window: int | None = None):
-    """The backend to serve with: `backend` if it passes; with `auto`, the PyTorch backend if it does not.
-    `sliding_window`: the served layers' window (None: they have none, and the window cases are skipped)."""
+    """The backend to serve with: `backend` if it passes; with `auto`, the PyTorch backend if it does not; its
+    `draft_trees` set by the tree case (`checked_trees`). `sliding_window`: the served layers' window (None:
+    they have none, and the window cases are skipped)."""
     shape = (device, num_qo_heads, num_kv_heads, head_dim, page_size, dtype, sliding_window)
     failure = attention_failure(backend, *shape)
     if failure is None:
         log.info("attention self-check passed: %s backend on %s in %s", backend.name, device, _name(dtype))
-        return backend
+        return checked_trees(backend, *shape)
     if backend.name == "torch":
         raise SelfCheckFailed(f"the PyTorch attention backend failed its self-check on {device} ({failure}); "
                               "this torch build or device is not usable: try --dtype float32 or another device")
@@ -156,7 +170,24 @@ def checked_attention(requested: str, backend, device: torch.device, num_qo_head
     failure = attention_failure(fallback, *shape)
     if failure is not None:
         raise SelfCheckFailed(f"the PyTorch attention backend failed its self-check on {device} too ({failure})")
-    return fallback
+    return checked_trees(fallback, *shape)
+
+
+def checked_trees(backend, device: torch.device, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+                  page_size: int, dtype: torch.dtype, sliding_window: int | None = None):
+    """`backend`, verifying draft trees (its `draft_trees`) only where its tree case matches the reference here: a
+    tree's mask is a separate plan (FlashInfer's custom mask), so a backend right on chains may still be wrong on
+    trees, and then it serves chains only. A model with a window takes no trees (and is not checked)."""
+    if sliding_window is not None:
+        return backend
+    failure = attention_failure(backend, device, num_qo_heads, num_kv_heads, head_dim, page_size, dtype,
+                                cases=list(TREE_CASES))
+    backend.draft_trees = failure is None
+    if failure is None:
+        log.info("draft-tree self-check passed: %s backend verifies draft trees", backend.name)
+    else:
+        log.warning("draft-tree self-check: %s failed (%s); verifying chains only", backend.name, failure)
+    return backend
 
 
 def layer_failure(bundle, dtype: torch.dtype, device: torch.device, use_kernels: bool = True,

@@ -32,9 +32,9 @@ class FlashInferBackend:
     mask (`custom_mask`) for every sequence, causal ones for the chains."""
 
     name = "flashinfer"
-    # The custom-mask plan below follows FlashInfer's documented layout but has not yet run against the torch
-    # backend on a GPU (no start-up self-check case for it yet): until it has, a FlashInfer server verifies
-    # chains only and says so (ServerInfo.draft_trees).
+    # The custom-mask plan below verifies draft trees only once the start-up self-check's tree case has matched
+    # the torch backend on this GPU (self_check.checked_trees sets it); until then chains only
+    # (ServerInfo.draft_trees).
     draft_trees = False
     WORKSPACE_BYTES = 128 << 20
     TENSOR_CORE_GROUP = 4                       # query heads per KV head from which tensor cores pay off
