@@ -50,7 +50,7 @@ PROMPTS = (512, 2048, 4096, 8192)
 QUICK_PROMPTS = (512, 4096)
 END_TO_END_PROMPTS = (512, 2048)        # the real split's compute on this CPU grows fast past these
 WIDTHS = {"default": 576, "llama-3-8b": 4096}
-WIRES = ("bfloat16", "e4m3", "e4m3-up")  # the server wire of a bfloat16 pod, and the two 8-bit ones
+WIRES = ("bfloat16", "int8", "int8-up", "e4m3", "e4m3-up")  # the server wire of a bfloat16 pod, and the 8-bit ones
 TARGET_TOKENS, TARGET_MBIT, TARGET_RATIO, TARGET_TOP1 = 4096, 20, 0.55, 0.99
 AGREEMENT_POSITIONS, HELD_TOKENS = 512, 1024
 DEFLATE_LEVELS = (1, 6)                  # fastest, and zlib's default (gRPC's gzip)
@@ -166,7 +166,7 @@ class StandInPod(pb_grpc.InfemeralServicer):
 
     def Turn(self, requests, context):  # noqa: N802 - the gRPC method's name
         from infemeral.protocol import pb
-        from infemeral.protocol.tensors import E4M3, from_proto, to_proto
+        from infemeral.protocol.tensors import EIGHT_BIT, from_proto, to_proto
 
         length = 0
         for request in requests:
@@ -177,7 +177,7 @@ class StandInPod(pb_grpc.InfemeralServicer):
             hidden = from_proto(step.hidden, self.hidden_size, 1 << 20).to(torch.bfloat16)
             length += hidden.shape[0]
             answer = step.answer_dtype or step.hidden.dtype
-            out = to_proto(hidden[-max(step.outputs, 1):], E4M3 if answer == E4M3 else "bfloat16")
+            out = to_proto(hidden[-max(step.outputs, 1):], answer if answer in EIGHT_BIT else "bfloat16")
             yield pb.TurnResponse(step=pb.StepResult(hidden=out, cache_length=length))
 
     def close(self) -> None:
@@ -323,7 +323,9 @@ def measure_fork(wb, split, document_tokens: int, mbit: float) -> ForkRow:
 
 # -- agreement on the default model ---------------------------------------------------------------------------
 def measure_agreement(wb, positions: int, held_tokens: int) -> list[AgreementRow]:
-    """Each 8-bit wire against the bfloat16 wire, through the real encoders and bfloat16 served layers."""
+    """Each 8-bit wire against the bfloat16 wire, through the real encoders and bfloat16 served layers; and the
+    bfloat16 wire against itself (teacher-forced over its own greedy answers, which it computed one token at a
+    time): the floor of the measure, where the served layers' bfloat16 rounding alone parts."""
     from infemeral.eval import metrics
     from infemeral.eval.server_quant import AGREEMENT_PROMPTS
     from infemeral.eval.systems import BundleSplit
@@ -338,10 +340,11 @@ def measure_agreement(wb, positions: int, held_tokens: int) -> list[AgreementRow
     held = tokenizer(metrics.DEFAULT_TEXT.read_text(), add_special_tokens=False)["input_ids"][:held_tokens]
     reference_perplexity = metrics.perplexity(reference, held)
     rows = []
-    for wire in WIRES[1:]:
+    for wire in WIRES:
         agreed = metrics.agreement(systems[wire], sequences)
+        perplexity = reference_perplexity if wire == "bfloat16" else metrics.perplexity(systems[wire], held)
         rows.append(AgreementRow(wire, agreed.positions, agreed.top1_matches, agreed.first_divergence,
-                                 metrics.perplexity(systems[wire], held), reference_perplexity))
+                                 perplexity, reference_perplexity))
         log(f"  {wire} against the bfloat16 wire: {agreed.describe()}, perplexity x{rows[-1].perplexity_ratio:.4f}")
     return rows
 
@@ -358,7 +361,7 @@ class WireSplit:
 
     @torch.inference_mode()
     def logits(self, ids: list[int], cache) -> torch.Tensor:
-        from infemeral.protocol.tensors import E4M3, from_proto, to_proto
+        from infemeral.protocol.tensors import EIGHT_BIT, from_proto, to_proto
 
         client, server = self.split.client, self.split.server
         client_cache, server_cache = cache
@@ -366,7 +369,7 @@ class WireSplit:
         sent = from_proto(to_proto(client.cloak(ids, client_cache), self.wire.upload), d, len(ids))
         out = server(sent.to(torch.bfloat16), server_cache)
         answer = self.wire.answer or self.wire.upload
-        back = from_proto(to_proto(out, E4M3 if answer == E4M3 else "bfloat16"), d, len(ids))
+        back = from_proto(to_proto(out, answer if answer in EIGHT_BIT else "bfloat16"), d, len(ids))
         return client.logits(back.to(torch.float32))
 
 
@@ -564,16 +567,7 @@ def summarise(rows: list) -> dict:
 
 
 def targets(facts: dict) -> list:
-    out = []
-    for wire in WIRES[1:]:
-        ratio = facts["ratio_to_bf16"].get(f"llama-3-8b/{wire}/{TARGET_TOKENS}/{TARGET_MBIT}", float("nan"))
-        top1 = facts["top1"].get(wire, float("nan"))
-        value = ratio if top1 >= TARGET_TOP1 else float("nan")  # fast but far from bfloat16 is no pass
-        out.append(at_most(NAME, f"{wire.replace('-', '_')}_ttft_{TARGET_TOKENS}_8b_{TARGET_MBIT}mbit",
-                           f"{wire} wire: time to first token of a {TARGET_TOKENS}-token prompt at the 8B shape on a "
-                           f"{TARGET_MBIT} Mbit/s uplink <= {TARGET_RATIO} x the bfloat16 wire, with top-1 agreement "
-                           f">= {TARGET_TOP1:.0%}", value, TARGET_RATIO,
-                           f"{fmt(ratio, '.2f')}x, top-1 {fmt(100 * top1, '.1f')} %"))
+    out = [eight_bit_target(facts)]
     forks = facts.get("fork", {})
     tokens, ratio = max(((int(k.split("/")[0]), v) for k, v in forks.items()), default=(0, float("nan")))
     value = ratio if tokens >= FORK_TOKENS - 64 else float("nan")  # a quick run's short document is no pass
@@ -589,6 +583,28 @@ def targets(facts: dict) -> list:
     return out
 
 
+def eight_bit_target(facts: dict):
+    """The best 8-bit wire's line: one that meets both bars if any, else the one closest to the bfloat16 wire."""
+    def measured(wire: str) -> tuple[float, float]:
+        return (facts["ratio_to_bf16"].get(f"llama-3-8b/{wire}/{TARGET_TOKENS}/{TARGET_MBIT}", float("nan")),
+                facts["top1"].get(wire, float("nan")))
+
+    def rank(wire: str) -> tuple:
+        ratio, top1 = measured(wire)
+        return top1 >= TARGET_TOP1 and ratio <= TARGET_RATIO, top1 if top1 == top1 else -1.0, -ratio
+
+    wire = max(WIRES[1:], key=rank)
+    ratio, top1 = measured(wire)
+    value = ratio if top1 >= TARGET_TOP1 else float("nan")  # fast but far from bfloat16 is no pass
+    floor = facts["top1"].get("bfloat16", float("nan"))
+    return at_most(NAME, f"eight_bit_ttft_{TARGET_TOKENS}_8b_{TARGET_MBIT}mbit",
+                   f"the best 8-bit wire: time to first token of a {TARGET_TOKENS}-token prompt at the 8B shape on a "
+                   f"{TARGET_MBIT} Mbit/s uplink <= {TARGET_RATIO} x the bfloat16 wire, with top-1 agreement "
+                   f">= {TARGET_TOP1:.0%}", value, TARGET_RATIO,
+                   f"{wire}: {fmt(ratio, '.2f')}x, top-1 {fmt(100 * top1, '.1f')} % (the bfloat16 wire against "
+                   f"itself: {fmt(100 * floor, '.1f')} %)")
+
+
 def method(chunk: int) -> str:
     return (f"The link is `scripts/delay_proxy.py`: {RTT_MS} ms round trip, {' or '.join(map(str, UP_MBIT))} Mbit/s "
             f"up, {DOWN_MBIT} Mbit/s down (token-bucket paced, nothing dropped). Transport: a turn's prompt in steps "
@@ -601,8 +617,9 @@ def method(chunk: int) -> str:
             "link; the client's time to first token. Agreement: the 8-bit wires against the bfloat16 wire, in "
             "process through the real encoders and bfloat16 served layers; top-1 teacher-forced over the "
             "bfloat16 wire's greedy answers to chat prompts (the first divergence is where free greedy decoding "
-            "parts), perplexity on held text. Coding: deflate (gRPC's gzip) on the default model's hidden states "
-            "of the longest prompt in bfloat16; it pays at a rate when compressing, sending the coded bytes and "
+            "parts; the bfloat16 wire's own row is the measure's floor: teacher-forced, it computes in other "
+            "shapes than the one token at a time that chose those answers), perplexity on held text. Coding: "
+            "deflate (gRPC's gzip) on the default model's hidden states of the longest prompt in bfloat16; it pays at a rate when compressing, sending the coded bytes and "
             "decompressing take less than sending the raw bytes. Fork: the default model's split through the "
             f"link at {TARGET_MBIT} Mbit/s, a first conversation about a {FORK_TOKENS}-token document (its time to "
             "first token), then a second forked from it on the pod with a question of its own: the fork's time "
