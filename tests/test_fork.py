@@ -13,6 +13,7 @@ import os
 import sys
 from types import SimpleNamespace
 
+import grpc
 import pytest
 import torch
 from conftest import REPO, StoredSession, start_server
@@ -28,7 +29,7 @@ from infemeral.client.settings import ClientSettings
 from infemeral.endpoint.app import create_app
 from infemeral.endpoint.session_pool import MIN_FORK_TOKENS, SessionPool
 from infemeral.errors import (Aborted, AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied,
-                              ResourceExhausted, UsageError)
+                              ResourceExhausted, StatusError, UsageError)
 from infemeral.kvcache import stored
 from infemeral.kvcache.prefix import common_prefix
 from infemeral.protocol import pb
@@ -319,15 +320,15 @@ def test_an_edited_message_forks_the_pooled_conversation_instead_of_uploading_it
 
 
 class PooledSession:
-    """A committed session as the pool sees it; `fork` records its arguments (or fails, if told to)."""
+    """A committed session as the pool sees it; `fork` records its arguments (or raises `refuse`)."""
 
-    def __init__(self, history, refuse: bool = False):
+    def __init__(self, history, refuse: Exception | None = None):
         self.history_ids, self.version, self.pending_commit, self.refuse = list(history), 1, None, refuse
         self.forked_at: list[int] = []
 
     def fork(self, at_turn=None, *, keep_tokens=None):
         if self.refuse:
-            raise FailedPrecondition("the window has evicted tokens of what the fork would keep")
+            raise self.refuse
         self.forked_at.append(keep_tokens)
         return PooledSession(self.history_ids[:keep_tokens])
 
@@ -356,9 +357,24 @@ def test_the_pool_forks_a_long_shared_prefix_it_would_otherwise_upload_again():
     short = document[:MIN_FORK_TOKENS - 1] + [9] * 600
     assert pool.acquire(short) is client.opened[0] and a.forked_at == [300]
     # a refused fork (the window evicted the prefix) opens a new session too, and leaves A idle
-    b = PooledSession(document + tail, refuse=True)
+    b = PooledSession(document + tail, refuse=FailedPrecondition("the window has evicted tokens of the prefix"))
     pool._idle = type(pool._idle)({id(b): b})
     assert pool.acquire(document + [7]) is client.opened[1] and pool.acquire(document + tail + [2]) is b
+
+
+def test_a_pod_that_cannot_fork_is_not_asked_again():
+    """An older pod answers a fork UNIMPLEMENTED: the request opens a session, and later ones do not try (the chat
+    page's /v1/pod says so: `pod_forks`)."""
+    document, tail = list(range(300)), [5000] * 400
+    client = PoolClient()
+    pool = SessionPool(client, max_sessions=4)
+    a = PooledSession(document + tail, refuse=StatusError("the server at pod:1 is older than this client and cannot "
+                                                          "fork sessions", grpc.StatusCode.UNIMPLEMENTED))
+    pool._idle[id(a)] = a
+    assert pool.pod_forks is None
+    assert pool.acquire(document + [7]) is client.opened[0] and pool.pod_forks is False
+    a.refuse = None
+    assert pool.acquire(document + [8]) is client.opened[1] and a.forked_at == []
 
 
 # -- the bench's row: a second conversation about the same document -----------------------------------------

@@ -31,7 +31,9 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from infemeral.errors import Aborted, InfemeralError
+import grpc
+
+from infemeral.errors import Aborted, InfemeralError, StatusError
 from infemeral.kvcache.prefix import common_prefix
 
 log = logging.getLogger(__name__)
@@ -60,6 +62,9 @@ class SessionPool:
         self.max_sessions = max_sessions
         self.min_fork_tokens = min_fork_tokens
         self.stats = PoolStats()
+        # Whether the pod forks sessions: None until a fork was tried (an older pod answers UNIMPLEMENTED; no
+        # request then tries again).
+        self.pod_forks: bool | None = None
         self._idle: OrderedDict[int, object] = OrderedDict()  # id(session) -> session, least recently used first
         self._busy: dict[int, object] = {}
         self._conversations: dict[int, str] = {}  # id(session) -> the saved conversation it belongs to
@@ -119,9 +124,14 @@ class SessionPool:
             self._busy[id(source)] = source
         try:
             forked = source.fork(at_turn, keep_tokens=keep_tokens)
+        except StatusError as e:
+            if e.code == grpc.StatusCode.UNIMPLEMENTED:
+                self.pod_forks = False
+            raise
         finally:
             self.release(source)
         with self._lock:
+            self.pod_forks = True
             self.stats.num_forked += 1
             if conversation is not None:
                 self._conversations[id(forked)] = conversation
@@ -193,7 +203,7 @@ class SessionPool:
         as it is (`_best_match`) and that prefix is at least `min_fork_tokens`; None otherwise, or if the fork
         is refused (the window evicted that prefix, the pod is at its limits): the request then opens a session."""
         with self._lock:
-            if self._best_match(target_ids) is not None:
+            if self.pod_forks is False or self._best_match(target_ids) is not None:
                 return None
             source, keep = None, self.min_fork_tokens - 1
             for key, session in self._idle.items():
