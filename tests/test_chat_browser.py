@@ -123,6 +123,48 @@ def test_a_reloaded_page_resumes_the_conversation_on_its_session(page):
     assert len(page.store.messages(name)) == 4
 
 
+def turn_of(page, since: int):
+    """The OpenTurn of the turn opened at `since`, and how many tokens its prompt's first step found cached."""
+    requests = page.log.turns[since]["requests"]
+    return requests[0].open, next(r.step for r in requests if r.WhichOneof("kind") == "step").cache_length
+
+
+def test_a_forked_conversation_goes_on_from_a_copy_made_on_the_pod(page):
+    """Fork copies the conversation on the pod: both are listed, the copy goes on without uploading what it holds,
+    and the original stays as it was; editing an earlier message forks at that turn."""
+    driver = page.driver
+    name = driver.find_element(By.ID, "conversation-name").text
+    saved = page.store.path(name).read_bytes()
+    original = page.log.turns[0]["requests"][0].open.session_id
+    fork_button = wait(page, lambda d: d.find_element(By.ID, "fork").is_displayed() and d.find_element(By.ID, "fork"))
+    fork_button.click()
+    wait(page, lambda d: d.find_element(By.ID, "conversation-name").text != name)
+    fork = driver.find_element(By.ID, "conversation-name").text
+    wait(page, lambda d: all(d.find_elements(By.CSS_SELECTOR, f'#conversations li[data-name="{n}"]')
+                             for n in (name, fork)))
+    assert page.store.messages(fork) == page.store.messages(name)
+    turns = len(page.log.turns)
+    finished(page, ask(page, "And of Spain?"))
+    opened, cached = turn_of(page, turns)
+    assert opened.session_id != original and opened.expected_version == 1 and cached > 0  # the copy, not uploaded
+    assert len(page.store.messages(fork)) == 6 and page.store.path(name).read_bytes() == saved
+    turns = len(page.log.turns)
+    driver.find_elements(By.CSS_SELECTOR, ".msg.user .edit")[1].click()  # "And of Italy?", in turn 2
+    alert = driver.switch_to.alert
+    alert.send_keys("And of Germany?")
+    alert.accept()
+    wait(page, lambda d: d.find_element(By.ID, "conversation-name").text not in (name, fork))
+    edited = driver.find_element(By.ID, "conversation-name").text
+    finished(page, wait(page, lambda d: d.find_elements(By.CSS_SELECTOR, ".msg.assistant")[1:])[0])
+    opened, cached = turn_of(page, turns)
+    assert opened.session_id != original and opened.expected_version == 1 and cached > 0
+    assert page.store.messages(edited)[:3] == page.store.messages(name)[:2] + [{"role": "user",
+                                                                                "content": "And of Germany?"}]
+    assert len(page.store.messages(edited)) == 4 and len(page.store.messages(fork)) == 6
+    driver.find_element(By.CSS_SELECTOR, f'#conversations li[data-name="{name}"] .open').click()
+    wait(page, lambda d: d.find_element(By.ID, "conversation-name").text == name)
+
+
 def test_deleting_the_conversation_deletes_it_here_and_on_the_pod(page, server):
     driver = page.driver
     name = driver.find_element(By.ID, "conversation-name").text

@@ -1,6 +1,6 @@
 """The chat page's parts without a model or a browser: its files and headers, the key on its routes, how a
-saved conversation's session is leased, what the wire meter counts, the audit route's answer, and
-`serve --open`. The page in a real browser is tests/test_chat_browser.py."""
+saved conversation's session is leased, the fork route, what the wire meter counts, the audit route's answer,
+and `serve --open`. The page in a real browser is tests/test_chat_browser.py."""
 
 from __future__ import annotations
 
@@ -12,18 +12,24 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import grpc
 import pytest
+import torch
 
 from http_endpoint import Uvicorn
 from infemeral.audit.report import AuditReport, Row
 from infemeral.endpoint import serve as serve_module
+from infemeral.client.session import Session
+from infemeral.client.session_store import SessionStore
 from infemeral.endpoint.app import create_app
+from infemeral.endpoint.conversations import Conversations
 from infemeral.endpoint.page import MEDIA_TYPES, STATIC
 from infemeral.endpoint.serving_pod import ServingPod
 from infemeral.endpoint.session_pool import SessionPool
 from infemeral.endpoint.settings import ServeSettings
 from infemeral.endpoint.wire_meter import WireBytes, WireMeter, counting
-from infemeral.errors import Aborted, Unavailable
+from infemeral.errors import Aborted, StatusError, Unavailable
+from infemeral.kvcache.cache import KVCache
 from infemeral.protocol import pb
 
 MODEL = "page-model"
@@ -92,10 +98,10 @@ def test_the_pages_json_routes_ask_for_the_key(app_url):
     assert response.status == 404  # this app was given no store
 
 
-def post(port: int, path: str, body: dict) -> tuple[int, dict]:
+def post(port: int, path: str, body: dict, key: str | None = KEY) -> tuple[int, dict]:
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    connection.request("POST", path, json.dumps(body), {"Authorization": f"Bearer {KEY}",
-                                                        "Content-Type": "application/json"})
+    connection.request("POST", path, json.dumps(body), {"Content-Type": "application/json",
+                                                        **({"Authorization": f"Bearer {key}"} if key else {})})
     response = connection.getresponse()
     answer = response.status, json.loads(response.read())
     connection.close()
@@ -173,6 +179,95 @@ def test_a_saved_conversations_session_serves_that_conversation_alone():
     assert not saved.deleted  # its file keeps it: deleting it is the user's call
 
 
+# -- forking a saved conversation on the pod ------------------------------------------------------------------
+class ForkingPod:
+    """A client whose pod forks sessions (or, told so, is too old to): real sessions and session files, a
+    one-layer cache of two numbers per token, no model."""
+
+    address = "pod.example:50051"
+    tls = mutual_tls = True
+    draft_model = draft_head = None
+    timeout = 5
+    bundle = SimpleNamespace(server_fingerprint="ab" * 32)
+    model = SimpleNamespace(new_cache=lambda: KVCache(0, 1, 1, 2, torch.float32))
+
+    def __init__(self):
+        self.link, self.forks, self.lengths, self.old = self, [], {}, False
+
+    def server_info(self):
+        return SimpleNamespace(sink_tokens=0, first_layer=1, num_layers=1, total_layers=2, server_version="test",
+                               model_type="llama", dtype="float32", device="cpu", max_context=256)
+
+    def new_session(self):
+        return Session(self)
+
+    def load_session(self, path):
+        return Session.load(self, path)
+
+    def fork_session(self, request, timeout):
+        if self.old:  # what ServerLink.fork_session raises for an older server's UNIMPLEMENTED
+            raise StatusError(f"the server at {self.address} is older than this client and cannot fork sessions; "
+                              "upgrade it, or start a new session", grpc.StatusCode.UNIMPLEMENTED)
+        self.forks.append(request)
+        self.lengths[request.session_id] = self.lengths[request.source_id] - request.drop
+        return pb.ForkSessionResponse(version=1, cache_length=self.lengths[request.session_id])
+
+
+def saved_conversation(pod: ForkingPod, store: SessionStore, name: str, turns: int) -> Session:
+    """A conversation of `turns` exchanges of 10 tokens each, saved as `name`."""
+    session = Session(pod)
+    session.messages = [{"role": "system", "content": "Be brief."}]
+    for turn in range(turns):
+        session.messages += [{"role": "user", "content": f"question {turn}"},
+                             {"role": "assistant", "content": f"answer {turn}"}]
+        session.history_ids += [turn] * 10
+        session.turn_ends.append((len(session.history_ids), len(session.messages)))
+    session.version = turns
+    session.cache.set_length(len(session.history_ids))
+    session.save(store.path(name))
+    pod.lengths[session.id] = len(session.history_ids)
+    return session
+
+
+def test_the_fork_route_saves_a_new_conversation_made_on_the_pod(tmp_path):
+    pod = ForkingPod()
+    pool = SessionPool(pod, max_sessions=4)
+    store = SessionStore(tmp_path, pod.bundle.server_fingerprint)
+    source = saved_conversation(pod, store, "trip", turns=3)
+    kept = store.path("trip").read_bytes()
+    http = Uvicorn(create_app(pool, MODEL, api_key=KEY, conversations=Conversations(store, pool)))
+    try:
+        def pod_view() -> dict:
+            return json.loads(get(http.port, "/v1/pod", {"Authorization": f"Bearer {KEY}"}).body)
+
+        view = pod_view()
+        assert view["fork"] is True and view["reachable"] and view["served_layers"] == "1-1 of 2"  # until refused
+        assert post(http.port, "/v1/conversations/trip/fork", {}, key=None)[0] == 401
+        status, body = post(http.port, "/v1/conversations/trip/fork", {"at_turn": 2, "name": "trip-2"})
+        assert status == 200 and body == {"name": "trip-2", "messages": source.messages[:5]}
+        (request,) = pod.forks
+        assert (request.source_id, request.source_key, request.source_version) == (source.id, source.key, 3)
+        assert request.drop == 10 and request.session_id != source.id  # its own id: turn 3 left on the pod
+        fork = pod.load_session(store.path("trip-2"))
+        assert (fork.id, fork.key, fork.version) == (request.session_id, request.session_key, 1)
+        assert fork.history_ids == source.history_ids[:20] and fork.messages == source.messages[:5]
+        assert store.path("trip").read_bytes() == kept  # the source as it was
+        status, body = post(http.port, "/v1/conversations/trip/fork", {})  # every turn, under a name made for it
+        assert status == 200 and body["name"].startswith("trip-fork-") and body["messages"] == source.messages
+        assert pod.forks[-1].drop == 0 and store.messages(body["name"]) == source.messages
+        for refused, status in (({"name": "trip-2"}, 409), ({"at_turn": 4}, 400), ({"at_turn": 0}, 400),
+                                ({"name": "../trip"}, 400)):
+            assert post(http.port, "/v1/conversations/trip/fork", refused)[0] == status, refused
+        assert post(http.port, "/v1/conversations/nowhere/fork", {})[0] == 404
+        assert len(pod.forks) == 2 and len(list(tmp_path.iterdir())) == 3
+        pod.old = True
+        status, body = post(http.port, "/v1/conversations/trip/fork", {})
+        assert status == 502 and "older than this client" in body["error"]["message"]
+        assert pod_view()["fork"] is False and len(list(tmp_path.iterdir())) == 3  # the page's button goes
+    finally:
+        http.stop()
+
+
 # -- bytes on the wire -------------------------------------------------------------------------------------
 class FakeCall:
     def __init__(self, requests, responses):
@@ -227,7 +322,7 @@ def test_the_audit_route_flags_each_token_of_the_first_message(monkeypatch):
     monkeypatch.setattr(infemeral.audit, "audit", fake_audit)
     conversations = SimpleNamespace(first_message=lambda name: ("My PIN 1234", "Be brief."))
     client = SimpleNamespace(bundle=SimpleNamespace(directory=Path("/bundles/client")))
-    answer = ServingPod(client, conversations).audit("trip")
+    answer = ServingPod(SimpleNamespace(client=client), conversations).audit("trip")
     assert seen == {"text": "My PIN 1234", "bundle": Path("/bundles/client"), "system": "Be brief."}
     assert answer["tokens"] == ["My", " PIN", " 1234"]
     assert answer["rows"] == [{"key": "vocabulary", "attack": "vocabulary matching", "observer": "public weights",

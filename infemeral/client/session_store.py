@@ -71,10 +71,14 @@ class SessionStore:
 
     def rename(self, name: str, new_name: str) -> None:
         """Save the session under `new_name` instead; refused if that name is taken."""
-        source, target = self._existing(name), self.path(new_name)
-        if target.exists():
-            raise FailedPrecondition(f"a saved session named {new_name!r} exists already: pick another name")
-        os.rename(source, target)
+        os.rename(self._existing(name), self.new_path(new_name))
+
+    def new_path(self, name: str) -> Path:
+        """Where a new session `name` is to be saved; refused if that name is taken."""
+        path = self.path(name)
+        if path.exists():
+            raise FailedPrecondition(f"a saved session named {name!r} exists already: pick another name")
+        return path
 
     def delete(self, name: str, link) -> None:
         """Delete the session saved as `name`: what the server stores for it (through `link`, a ServerLink), then

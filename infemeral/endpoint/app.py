@@ -20,6 +20,7 @@ and infemeral's own, for the chat page:
     GET  /  and  /static/NAME    the chat page                                   (page.py)
     GET  /v1/conversations       saved conversations; GET, PATCH (rename) and
                                  DELETE /v1/conversations/NAME                   (conversations.py)
+    POST /v1/conversations/NAME/fork    a copy of a saved one, made on the pod   (conversations.py)
     GET  /v1/pod                 the pod's address and the link's TLS            (serving_pod.py)
     POST /v1/conversations/NAME/audit   what a public-weights operator recovers  (serving_pod.py)
 
@@ -46,7 +47,7 @@ from infemeral.endpoint.conversations import Conversations
 from infemeral.endpoint.errors import to_request_error
 from infemeral.endpoint.guard import MAX_BODY_BYTES, RequestGuard
 from infemeral.endpoint.page import page_file
-from infemeral.endpoint.schema import ChatCompletionRequest, CompletionRequest, RequestError
+from infemeral.endpoint.schema import ChatCompletionRequest, CompletionRequest, ForkRequest, RequestError
 from infemeral.endpoint.serving_chat import ServingChat
 from infemeral.endpoint.serving_completion import ServingCompletion
 from infemeral.endpoint.serving_models import ServingModels
@@ -72,7 +73,7 @@ def create_app(pool: SessionPool, model_name: str, *, api_key: str | None = None
     app.state.chat = ServingChat(pool, models, defaults, conversations)
     app.state.completion = ServingCompletion(pool, models, defaults)
     app.state.conversations = conversations
-    app.state.pod = ServingPod(pool.client, conversations)
+    app.state.pod = ServingPod(pool, conversations)
     app.add_middleware(RequestGuard, allowed_hosts=allowed_hosts, max_body_bytes=max_body_bytes)
     for error, handler in ERROR_HANDLERS.items():
         app.add_exception_handler(error, handler)
@@ -160,6 +161,12 @@ async def rename_conversation(name: str, request: Request, new_name: str = Body(
 @router.delete("/v1/conversations/{name}")
 async def delete_conversation(name: str, request: Request):
     return await run_in_threadpool(kept(request).delete, name)
+
+
+@router.post("/v1/conversations/{name}/fork")
+async def fork_conversation(name: str, request: Request, body: ForkRequest | None = None):
+    body = body or ForkRequest()
+    return await run_in_threadpool(kept(request).fork, name, body.at_turn, body.name)
 
 
 @router.post("/v1/conversations/{name}/audit")

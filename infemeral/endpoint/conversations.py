@@ -1,6 +1,6 @@
 """The chat page's conversations: the sessions saved in --sessions-dir (`SessionStore`, the same ones
-`chat --session NAME` keeps), listed, shown, renamed and deleted for the page, and saved after every answer
-to a chat request that names one (`conversation`).
+`chat --session NAME` keeps), listed, shown, renamed, forked on the pod and deleted for the page, and saved after
+every answer to a chat request that names one (`conversation`).
 
 A named conversation's session is its own in the pool (`SessionPool.acquire`):
 reused whatever the page resends, loaded from its file when the pool holds none
@@ -10,7 +10,9 @@ file holds its key. Deleting one deletes both.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import secrets
 
 from infemeral.client.session_store import SessionStore
 from infemeral.endpoint.schema import RequestError
@@ -55,6 +57,33 @@ class Conversations:
 
         self._refused_as_http(delete)
         return {"name": name, "deleted": True}
+
+    def fork(self, name: str, at_turn: int | None = None, new_name: str | None = None) -> dict:
+        """A new saved conversation holding `name`'s first `at_turn` turns (None: all of them), made on the pod from
+        its stored cache (`SessionPool.fork`): nothing is uploaded again and `name` stays as it was. Saved as
+        `new_name` (None: a name made from `name`) before this returns; its name and messages."""
+        new_name = new_name or f"{name[:50]}-fork-{secrets.token_hex(3)}"
+
+        def fork():
+            path = self.store.new_path(new_name)
+            self.store.messages(name)  # NotFound before anything is loaded
+            source = self.pool.acquire([], conversation=name, resume=lambda: self._resume(name))
+            self.pool.release(source)
+            forked = self.pool.fork(source, at_turn=at_turn, conversation=new_name)
+            try:
+                forked.save(path)
+            except (InfemeralError, OSError) as e:
+                self.pool.release(forked)
+                self.pool.forget(new_name)
+                with contextlib.suppress(InfemeralError):
+                    forked.delete()  # without its file nothing could delete it later
+                raise RequestError(500, f"could not save the new conversation in {self.store.directory} "
+                                        f"({type(e).__name__}); nothing was kept", type="server_error") from None
+            self.pool.release(forked)
+            return forked.messages
+
+        messages = self._refused_as_http(fork)
+        return {"name": new_name, "messages": messages}
 
     def first_message(self, name: str) -> tuple[str, str | None]:
         """The conversation's first user message and its system prompt (None if it has none)."""

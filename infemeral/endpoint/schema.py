@@ -148,10 +148,7 @@ class ChatCompletionRequest(_Request):
     @field_validator("conversation")
     @classmethod
     def _a_session_name(cls, name: str | None) -> str | None:
-        try:
-            return name if name is None else check_name(name)
-        except InfemeralError as e:
-            raise ValueError(str(e)) from None
+        return _session_name(name)
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
@@ -204,3 +201,25 @@ class CompletionRequest(_Request):
     @property
     def answer_tokens(self) -> int | None:
         return self.max_tokens
+
+
+class ForkRequest(BaseModel):
+    """A new saved conversation from a stored one (the chat page's POST /v1/conversations/NAME/fork): the turns
+    it keeps (None: all) and its name (None: one made from NAME)."""
+
+    model_config = ConfigDict(extra="ignore")
+    at_turn: int | None = Field(None, ge=1)
+    name: str | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _a_session_name(cls, name: str | None) -> str | None:
+        return _session_name(name)
+
+
+def _session_name(name: str | None) -> str | None:
+    """`name` if it can name a saved conversation (a file name), for a field validator."""
+    try:
+        return name if name is None else check_name(name)
+    except InfemeralError as e:
+        raise ValueError(str(e)) from None

@@ -1,6 +1,6 @@
-"""What the chat page's "what the pod sees" panel shows: where the pod is and how the link to it is secured
-(GET /v1/pod), and what an operator with the public weights recovers of a conversation's first message
-(POST /v1/conversations/{name}/audit: `infemeral.audit`, token by token).
+"""What the chat page's "what the pod sees" panel shows: where the pod is, how the link to it is secured and
+whether it forks sessions (GET /v1/pod), and what an operator with the public weights recovers of a
+conversation's first message (POST /v1/conversations/{name}/audit: `infemeral.audit`, token by token).
 """
 
 from __future__ import annotations
@@ -10,14 +10,15 @@ import threading
 from infemeral.endpoint.conversations import Conversations
 from infemeral.endpoint.schema import RequestError
 from infemeral.endpoint.serving import speculate_modes
+from infemeral.endpoint.session_pool import SessionPool
 from infemeral.errors import StatusError
 
 MAX_AUDIT_CHARS = 2000  # the audit's cost grows with the text: it is meant for one short message
 
 
 class ServingPod:
-    def __init__(self, client, conversations: Conversations | None):
-        self.client, self.conversations = client, conversations
+    def __init__(self, pool: SessionPool, conversations: Conversations | None):
+        self.pool, self.client, self.conversations = pool, pool.client, conversations
         self._auditing = threading.Lock()
 
     def describe(self) -> dict:
@@ -26,14 +27,14 @@ class ServingPod:
         view = {"address": self.client.address, "tls": link.tls, "mutual_tls": link.mutual_tls,
                 "sent": ["hidden states in the secret basis", "the session's key, during each turn"],
                 "never_sent": ["text", "token ids", "logits"],
-                "speculate": speculate_modes(self.client),
-                "fork": False}  # no pod forks a session yet: the page shows its button once one does
+                "speculate": speculate_modes(self.client)}
         try:
             info = self.client.server_info()
         except StatusError as e:
-            return {**view, "reachable": False, "error": e.code.name}
+            return {**view, "reachable": False, "error": e.code.name, "fork": False}
         last = info.first_layer + info.num_layers - 1
         return {**view, "reachable": True, "server_version": info.server_version, "model_type": info.model_type,
+                "fork": self.pool.pod_forks is not False,  # until the pod refused a fork as unknown to it
                 "served_layers": f"{info.first_layer}-{last} of {info.total_layers}", "dtype": info.dtype,
                 "device": info.device, "max_context": info.max_context}
 

@@ -96,9 +96,18 @@ function renderMarkdown(text) {
 }
 
 // -- messages -----------------------------------------------------------------------------------------
-function addMessage(role, text) {
+function addMessage(role, text, index) {  // index: the message's place in state.messages, for Edit
   const node = document.createElement("article");
   node.className = "msg " + role;
+  if (role === "user" && index !== undefined) {
+    const edit = document.createElement("button");
+    edit.type = "button";
+    edit.className = "edit";
+    edit.textContent = "Edit";
+    edit.title = "Ask this again, changed, in a new conversation; this one stays as it is";
+    edit.addEventListener("click", () => editMessage(index));
+    node.appendChild(edit);
+  }
   const content = document.createElement("div");
   content.className = "content";
   node.appendChild(content);
@@ -131,9 +140,10 @@ function kilobytes(n) {
 
 function showConversation() {
   $("messages").replaceChildren();
-  for (const m of state.messages) addMessage(m.role, m.content);
+  state.messages.forEach((m, i) => addMessage(m.role, m.content, i));
   $("conversation-name").textContent = state.conversation || "new chat";
   $("regenerate").disabled = !state.messages.some((m) => m.role === "user");
+  $("fork").disabled = !state.messages.some((m) => m.role === "assistant");
   $("audit").disabled = !state.conversation;
   $("audit-result").replaceChildren();
   showBytes();
@@ -220,6 +230,7 @@ function setBusy(busy) {
   $("send").disabled = busy;
   $("stop").disabled = !busy;
   $("regenerate").disabled = busy || !state.messages.some((m) => m.role === "user");
+  $("fork").disabled = busy || !state.messages.some((m) => m.role === "assistant");
   $("audit").disabled = busy || !state.conversation;
 }
 
@@ -236,7 +247,27 @@ async function send(event) {
   }
   $("prompt").value = "";
   state.messages.push({role: "user", content: text});
-  addMessage("user", text);
+  addMessage("user", text, state.messages.length - 1);
+  await answer();
+}
+
+async function editMessage(index) {
+  if (state.controller) return;
+  const text = prompt("Edit your message. It is asked again in a new conversation; this one stays as it is.",
+                      state.messages[index].content);
+  if (text === null || !text.trim()) return;
+  showError(null);
+  const kept = state.messages.slice(0, index);
+  const turns = kept.filter((m) => m.role === "assistant").length;
+  if (state.pod && state.pod.fork && turns) {
+    if (!await fork(turns)) return;  // the pod copies the turns before it: nothing of them is uploaded again
+  } else {
+    state.conversation = newName();  // the request sends what it keeps
+    state.messages = kept;
+    showConversation();
+  }
+  state.messages.push({role: "user", content: text});
+  addMessage("user", text, state.messages.length - 1);
   await answer();
 }
 
@@ -323,6 +354,24 @@ async function deleteConversation(name) {
   }
 }
 
+async function fork(atTurn) {  // atTurn: the turns the new conversation keeps (null: all); whether it was made
+  if (state.controller) return false;
+  showError(null);
+  try {
+    const forked = await api("POST", "/v1/conversations/" + encodeURIComponent(state.conversation) + "/fork",
+                             atTurn ? {at_turn: atTurn} : {});
+    state.conversation = forked.name;
+    state.messages = forked.messages;
+    showConversation();
+    refreshList();
+    return true;
+  } catch (error) {
+    showError(error);
+    describePod().catch(() => {});  // a pod that cannot fork says so from now on: the button goes
+    return false;
+  }
+}
+
 function newChat() {
   if (state.controller) return;
   state.conversation = null;
@@ -382,7 +431,7 @@ async function describePod() {
     option.value = option.textContent = mode;
     $("speculate").appendChild(option);
   }
-  $("fork").hidden = !pod.fork;  // shown once the pod can fork a session
+  $("fork").hidden = !pod.fork;  // until the pod refused a fork
 }
 
 async function audit() {
@@ -425,6 +474,7 @@ async function start() {
   });
   $("stop").addEventListener("click", () => state.controller && state.controller.abort());
   $("regenerate").addEventListener("click", regenerate);
+  $("fork").addEventListener("click", () => fork(null));
   $("new-chat").addEventListener("click", newChat);
   $("audit").addEventListener("click", audit);
   $("api-key").value = sessionStorage.getItem(KEY_STORAGE) || "";
