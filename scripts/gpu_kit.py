@@ -36,7 +36,7 @@ from packaging.utils import canonicalize_name, parse_wheel_filename
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / ".gpukit"
 LIMIT_BYTES = 45 * 2**20
-# one version of each, within pyproject.toml's ranges (tests/test_gpu_kit.py); build() checks that they
+# one version of each, within pyproject.toml's ranges (tests/project/test_gpu_kit.py); build() checks that they
 # satisfy one another's requirements
 PINS = {
     "cryptography": "50.0.2",          # the KV cache's AES-256-GCM

@@ -7,7 +7,7 @@ templates are jinja2 programs; transformers runs them in a sandboxed environment
 the `{% generation %}` block) and hands them the messages with None fields dropped and the tokenizer's
 special tokens as variables. This module builds the same environment for the cases the client renders
 (messages, a generation prompt; no tools, documents or continued final messages).
-tests/test_resolved_tokenizer.py holds its output to transformers' own for several templates.
+tests/cloak/test_resolved_tokenizer.py holds its output to transformers' own for several templates.
 """
 
 from __future__ import annotations

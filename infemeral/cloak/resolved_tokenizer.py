@@ -7,7 +7,7 @@ none of that once set up: `prepare`, which has transformers loaded anyway, write
 saved tokenizer: the backend exactly as transformers left it (post-processor, added and special tokens), the
 special tokens and the chat template. `ResolvedTokenizer` reads it with `tokenizers` and renders the template
 with `chat_render` (jinja2): the same ids, offsets, decoded text and rendered transcripts as transformers'
-object (tests/test_resolved_tokenizer.py compares them). A tokenizer with Python-side rules of its own (its
+object (tests/cloak/test_resolved_tokenizer.py compares them). A tokenizer with Python-side rules of its own (its
 class overrides encoding, decoding or the template; decoding that cleans up spaces; several named templates)
 gets no file, and the client loads it through transformers as before; a bundle prepared before these files
 existed gets its file from the client's first start (`ClientBundle.laptop_tokenizer`).

@@ -3,7 +3,7 @@
 Importing transformers costs every laptop command 0.8-1 s (its package scans the source of every model family)
 for a client that reads a few numbers from two JSON files. `prepare` stores every attribute the family's config
 class resolved (rope parameters, layer types, head size), so a stored config read as attributes is the class's
-own (tests/test_plain_decoder.py compares them for every supported family). Where a reader needs transformers'
+own (tests/layers/test_plain_decoder.py compares them for every supported family). Where a reader needs transformers'
 methods (a RoPE scaled by transformers' own functions, a family infemeral does not run in plain torch), the
 config goes through transformers' classes instead: `bundle.stored_config` decides.
 """

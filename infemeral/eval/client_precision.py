@@ -2,7 +2,7 @@
 
 Only the client half changes between the runs compared here; the server half is the same float32
 computation for all of them, so every difference comes from the laptop's precision. The reference is
-the float32 client, which is token-identical to plain transformers (tests/test_exactness.py).
+the float32 client, which is token-identical to plain transformers (tests/e2e/test_exactness.py).
 
 Definitions (over a set of token sequences, each a prompt and a continuation):
   * positions: every continuation token, predicted from the tokens before it (teacher-forced: both

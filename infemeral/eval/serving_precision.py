@@ -23,7 +23,7 @@ from infemeral.eval.metrics import teacher_forced_logits
 from infemeral.eval.systems import PlainReference
 from infemeral.quant.agreement import Agreement
 
-# Lower bounds measured on the default model (see tests/test_reduced_precision.py), with margin.
+# Lower bounds measured on the default model (see tests/eval/test_reduced_precision.py), with margin.
 MIN_TOP1_RATE = {"bfloat16": 0.90, "float16": 0.95}
 MAX_MARGIN = {"bfloat16": 1.0, "float16": 0.5}
 

@@ -5,7 +5,7 @@ Importing transformers' modeling code costs a 2-core laptop 0.8 s on every `gene
 `serve` (it brings torch's compiler and distributed-tensor stacks along) for a client that runs one
 layer. These classes have transformers' parameter names and shapes and its arithmetic, operation for
 operation, for the four families `architecture.SUPPORTED` names (Llama, Mistral, Qwen2, Qwen3: q/k/v
-biases, q/k norms, sliding windows); tests/test_plain_decoder.py holds them to bitwise equality with
+biases, q/k norms, sliding windows); tests/layers/test_plain_decoder.py holds them to bitwise equality with
 transformers' own classes, layer by layer and through a cache. The server keeps transformers' classes.
 
 A RoPE that changes with the sequence length ("dynamic", "longrope") is left to transformers' classes:

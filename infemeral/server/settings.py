@@ -33,7 +33,7 @@ class ServerSettings(BaseSettings):
     dtype: str = Field(EngineConfig.dtype,
                        description="float32, bfloat16, float16 or auto (float32 on CPU, bfloat16 on CUDA)")
     max_step_tokens: int = Field(EngineConfig.max_step_tokens, ge=1, description="most tokens one step may carry")
-    # the window's other defaults are WindowPolicy's (tests/test_server_config.py): importing it loads torch
+    # the window's other defaults are WindowPolicy's (tests/server/test_server_config.py): importing it loads torch
     max_context: int = Field(DEFAULT_MAX_CONTEXT, ge=1,
                              description="most tokens a session's cache may hold (the window size)")
     window: bool = Field(True, description="slide a window over long conversations instead of refusing them")

@@ -4,7 +4,7 @@ Reduced precision cannot be token-identical (the rotated weights round different
 the split system's greedy tokens are teacher-forced through the plain model and compared position by
 position (infemeral/eval/serving_precision.py): top-1 agreement rate, first divergence, and the largest gap
 between the plain model's logits for its own choice and the split system's at a divergence. The targets
-are the test suite's thresholds (tests/test_reduced_precision.py).
+are the test suite's thresholds (tests/eval/test_reduced_precision.py).
 """
 
 from __future__ import annotations
