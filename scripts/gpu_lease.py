@@ -16,7 +16,10 @@ linears against bf16 F.linear), attention (FlashInfer against the PyTorch backen
 batch invariance), self_check (the server's start-up self-checks), exactness (the engine in bf16 on CUDA against
 float32 on the CPU, default and 8B shapes), throughput (decode at 1/8/32 sessions against plain transformers),
 memory (weights + KV against the README's what-fits table), e2e (a real infemeral-server and client over
-loopback). Random weights of the real shapes are drawn on the GPU: nothing big travels. docs/gpu_lease.md says
+loopback), speculation (the default model served on the GPU, a client with the CPU-trained draft head on this
+machine's CPU through scripts/delay_proxy.py at 80 ms RTT: chat with speculation against without, greedy
+identical; the head is .bundles/draft-head-default, carried along, the model the packaged GGUF). Elsewhere
+random weights of the real shapes are drawn on the GPU: nothing big travels. docs/gpu_lease.md says
 what comes back and what to carry next time.
 
 Every stage has a deadline, its share of `--budget`; a stage that raises or overruns is recorded as such and the
@@ -68,9 +71,11 @@ from gpu_workloads import (decode_rate, linear_shapes, llama_config, random_batc
 
 from infemeral.layers.stack import head_dim  # noqa: E402
 
-STAGES = ("env", "kernels", "attention", "self_check", "exactness", "throughput", "memory", "e2e")
+STAGES = ("env", "kernels", "attention", "self_check", "exactness", "throughput", "memory", "e2e", "speculation")
 SHARES = {"env": 1, "kernels": 3, "attention": 12, "self_check": 3, "exactness": 7, "throughput": 6, "memory": 3,
-          "e2e": 3}  # of the budget left, among the stages still to run (time a stage leaves passes on)
+          "e2e": 3, "speculation": 8}  # of the budget left, among the stages still to run (time a stage leaves passes on)
+MAX_STAGE_SECONDS = {"speculation": 90.0}  # whatever the others leave
+SPEC_RTT_MS = 80
 GPU_BUDGET, DRY_BUDGET = 420.0, 300.0
 MIN_STAGE_SECONDS = 0.5  # a stage given less is skipped
 STALL_SECONDS = 30.0     # how long `--inject stall:STAGE` hangs without looking at its deadline
@@ -96,6 +101,7 @@ class Plan:
     kernel_rows: tuple[int, ...]        # M of the linears timed
     reps: int                           # timed repetitions (median)
     attention_cases: dict               # name -> (kv lengths, new tokens, window)
+    tree_cases: dict                    # name -> (kv lengths, new tokens, each sequence's draft tree or None)
     invariance_sizes: tuple[int, ...]   # batch sizes one sequence is put into
     exact_prompts: tuple[int, ...]      # prompt length of each session
     exact_decode_steps: int
@@ -105,6 +111,8 @@ class Plan:
     decode_steps: int
     memory_context: int
     e2e_tokens: int
+    spec_prompts: int                   # held-out chat prompts of the speculation stage
+    spec_tokens: int                    # new tokens per answer there
     grace: float                        # watchdog: seconds past a deadline before it interrupts
     give_up: float                      # ... and before it gives the run up
     reserve: float                      # seconds of the budget kept for the last report and the kernel cache
@@ -121,8 +129,12 @@ def gpu_plan() -> Plan:
                          "ragged batch": ((5, 130, 1000, 260, 33), (5, 1, 64, 1, 33), None),
                          f"window {window}, decode only": ((100, 700, 3000), (1, 1, 1), window),
                          f"window {window}, mixed": ((300, 90, 2000), (16, 1, 100), window)},
+        tree_cases={"draft tree of 64 beside a chain and a decode": ((1000, 300, 4000), (64, 16, 1),
+                                                                     (bushy_tree(64), None, None)),
+                    "two draft trees": ((100, 2000), (21, 48), (bushy_tree(21), bushy_tree(48, fanout=2)))},
         invariance_sizes=(1, 2, 8, 32), exact_prompts=(40, 97, 150, 203), exact_decode_steps=16, exact_big_layers=4,
         sessions=(1, 8, 32), context=1024, decode_steps=32, memory_context=8192, e2e_tokens=64,
+        spec_prompts=4, spec_tokens=48,
         grace=15, give_up=60, reserve=5)
 
 
@@ -143,9 +155,15 @@ def dry_plan() -> Plan:
         attention_cases={"decode": ((7, 40), (1, 1), None), "prefill with a causal offset": ((50,), (20,), None),
                          "ragged batch": ((5, 40, 33), (5, 1, 8), None),
                          "window 32, decode only": ((20, 70), (1, 1), 32), "window 32, mixed": ((70, 9), (8, 1), 32)},
+        tree_cases={"draft tree beside a chain": ((30, 20), (7, 3), (bushy_tree(7), None))},
         invariance_sizes=(1, 2, 4), exact_prompts=(5, 9, 12, 17), exact_decode_steps=4, exact_big_layers=2,
-        sessions=(1, 4), context=32, decode_steps=4, memory_context=64, e2e_tokens=8,
+        sessions=(1, 4), context=32, decode_steps=4, memory_context=64, e2e_tokens=8, spec_prompts=1, spec_tokens=6,
         grace=0.5, give_up=5, reserve=1)
+
+
+def bushy_tree(rows: int, fanout: int = 4) -> tuple[int, ...]:
+    """A draft tree's parents as a head sends them: each row's parent an earlier row, `fanout` children each."""
+    return tuple([-1] + [(i - 1) // fanout for i in range(1, rows)])
 
 
 # -- targets --------------------------------------------------------------------------------------------
@@ -166,6 +184,8 @@ def goals(plan: Plan) -> dict[str, Goal]:
                               at_least, 0.98),
         "flashinfer_vs_torch_bf16": Goal("attention", "max |FlashInfer - torch backend| <= 2e-2 in bf16",
                                          at_most, 2e-2),
+        "flashinfer_tree_vs_torch_bf16": Goal("attention", "draft trees (custom mask): max |FlashInfer - torch "
+                                              "backend| <= 2e-2 in bf16", at_most, 2e-2),
         "int4_decode_step_8b": Goal("kernels", "a layer's int4 linears at M = 1 take <= 0.5x bf16's (8B shape)",
                                     at_most, 0.5),
         "decode_1_session_vs_transformers": Goal("throughput", "decode at 1 session >= 0.9x plain transformers",
@@ -173,6 +193,11 @@ def goals(plan: Plan) -> dict[str, Goal]:
         f"decode_{most}_sessions_vs_one": Goal("throughput", f"{most} sessions >= {12 * most / 32:g}x one "
                                                "session's throughput", at_least, 12 * most / 32),
         "self_checks": Goal("self_check", "every start-up self-check passes here", at_least, 1.0),
+        f"chat_speedup_{SPEC_RTT_MS}ms": Goal("speculation", f"chat with the draft head (trees where the server "
+                                              f"verifies them) >= 1.5x speculation off, at {SPEC_RTT_MS} ms RTT "
+                                              "end to end", at_least, 1.5),
+        "chat_greedy_identical": Goal("speculation", "greedy chat with speculation identical to speculation off",
+                                      at_least, 1.0),
     }
 
 
@@ -292,6 +317,7 @@ class Lease:
         self.results = {name: StageResult(name) for name in stages}
         self.kernel_cache: dict = {}
         self.watchdog = Watchdog(self)
+        self.speculation_model, self.speculation_head = "default", None  # the speculation stage's (--speculation-*)
         self._lock = threading.RLock()
         self._flashinfer = None
         self.started = self.stage_started = time.monotonic()
@@ -306,6 +332,7 @@ class Lease:
         try:
             for i, name in enumerate(self.stages):
                 seconds = (end - time.monotonic()) * SHARES[name] / sum(SHARES[s] for s in self.stages[i:])
+                seconds = min(seconds, MAX_STAGE_SECONDS.get(name, seconds))
                 if name != "env" and not self.plan.dry_run and not torch.cuda.is_available():
                     self.skipped(name, "torch sees no CUDA device (see the env stage)")
                 elif seconds < MIN_STAGE_SECONDS:
@@ -645,10 +672,12 @@ def stage_kernels(stage: Stage) -> None:
 
 
 # -- attention ------------------------------------------------------------------------------------------------
-def host_batch(csr) -> types.SimpleNamespace:
-    """What a backend reads of a PagedBatch: the CSR arrays, int32 on the host."""
+def host_batch(csr, trees=None) -> types.SimpleNamespace:
+    """What a backend reads of a PagedBatch: the CSR arrays, int32 on the host, and each sequence's draft tree."""
     qo, kv_indptr, kv_indices, last = csr
-    return types.SimpleNamespace(qo_indptr=qo, kv_indptr=kv_indptr, kv_indices=kv_indices, kv_last_page_len=last)
+    trees = [list(t) if t is not None else None for t in trees] if trees is not None else None
+    return types.SimpleNamespace(qo_indptr=qo, kv_indptr=kv_indptr, kv_indices=kv_indices, kv_last_page_len=last,
+                                 trees=trees)
 
 
 def attention_backends(stage: Stage, heads: tuple[int, int, int], dtype: torch.dtype) -> dict:
@@ -676,6 +705,7 @@ def compile_flashinfer(stage: Stage) -> None:
 
     jobs = [(label, heads, kind, window) for label, heads in head_sets(stage.plan).items()
             for kind in ("decode", "prefill") for window in (None, 32)]
+    jobs += [(label, heads, "tree", None) for label, heads in head_sets(stage.plan).items()]  # the custom mask
     timings: list[dict] = []
 
     def compile_one(label, heads, kind, window):
@@ -684,7 +714,7 @@ def compile_flashinfer(stage: Stage) -> None:
             q, k, v, csr = random_batch((40,), (1 if kind == "decode" else 8,), *heads, PAGE, stage.dtype,
                                         device=stage.device)
             backend = FlashInferBackend(stage.device, *heads, PAGE, stage.dtype)
-            batch = host_batch(csr)
+            batch = host_batch(csr, [bushy_tree(8)] if kind == "tree" else None)
             _, row["first call s"] = first_call_seconds(
                 lambda: (backend.plan(batch), backend.run(q, k, v, batch, heads[2] ** -0.5, window)), stage.device)
         except Exception as e:  # noqa: BLE001 - one module that fails to build is a finding, the rest go on
@@ -729,16 +759,19 @@ def stage_attention(stage: Stage) -> None:
     plan, device, dtype = stage.plan, stage.device, stage.dtype
     if stage.flashinfer() is not None:
         compile_flashinfer(stage)
-    rows, worst = [], {}
+    rows, worst, worst_tree = [], {}, {}
+    cases = {case: (lengths, queries, window, None) for case, (lengths, queries, window) in plan.attention_cases.items()}
+    cases.update({case: (lengths, queries, None, trees) for case, (lengths, queries, trees) in plan.tree_cases.items()})
     for label, heads in head_sets(plan).items():
         backends = attention_backends(stage, heads, dtype)
         scale = heads[2] ** -0.5
-        for case, (lengths, queries, window) in plan.attention_cases.items():
+        for case, (lengths, queries, window, trees) in cases.items():
             stage.check(f"{label} {case}")
             q, k, v, csr = random_batch(lengths, queries, *heads, PAGE, dtype, device=device)
-            want = torch_paged_attention(q.float(), k.float(), v.float(), *csr, scale, window)
+            want = torch_paged_attention(q.float(), k.float(), v.float(), *csr, scale, window,
+                                         host_batch(csr, trees).trees)
             for name, backend in backends.items():
-                batch = host_batch(csr)
+                batch = host_batch(csr, trees)
                 row = {"shape": label, "heads": "/".join(map(str, heads)), "case": case, "backend": name}
 
                 def attend():
@@ -753,14 +786,20 @@ def stage_attention(stage: Stage) -> None:
                                 "us": round(median_seconds(attend, device, plan.reps) * 1e6, 1)})
                 except Exception as e:  # noqa: BLE001 - a kernel that fails is a finding; the other cases go on
                     err, row["error"] = math.inf, f"{type(e).__name__}: {e}"[:300]
-                worst[name] = max(worst.get(name, 0.0), err)
+                within = worst_tree if trees is not None else worst
+                within[name] = max(within.get(name, 0.0), err)
                 rows.append(row)
             stage.record("cases", rows)
     stage.record("worst", worst)
+    stage.record("worst with draft trees", worst_tree)
     if "flashinfer" in worst:
         stage.target("flashinfer_vs_torch_bf16", worst["flashinfer"],
                      f"max |FlashInfer - fp32 torch| {worst['flashinfer']:.2e} over {len(plan.attention_cases) * 2} "
                      f"cases (torch backend in bf16: {worst['torch']:.2e})")
+    if "flashinfer" in worst_tree:
+        stage.target("flashinfer_tree_vs_torch_bf16", worst_tree["flashinfer"],
+                     f"max |FlashInfer - fp32 torch| {worst_tree['flashinfer']:.2e} over {len(plan.tree_cases) * 2} "
+                     f"draft-tree cases (torch backend in bf16: {worst_tree['torch']:.2e})")
     stage.record("batch_invariance", batch_invariance(stage))
 
 
@@ -820,6 +859,10 @@ def stage_self_check(stage: Stage) -> None:
                                                        sliding_window=SELF_CHECK_WINDOW)
                 checks.append({"check": "attention", "shape": label, "backend": name, "dtype": str(dtype)[6:],
                                "failure": failure or "none"})
+                failure = self_check.attention_failure(backend, device, *heads, PAGE, dtype,
+                                                       cases=list(self_check.TREE_CASES))
+                checks.append({"check": "attention, draft tree (decides ServerInfo.draft_trees)", "shape": label,
+                               "backend": name, "dtype": str(dtype)[6:], "failure": failure or "none"})
                 stage.record("checks", checks)
     layer_dtypes = (stage.dtype,) if plan.dry_run else (torch.bfloat16, torch.float16)
     for label, config in (("default", plan.default), ("8b", plan.big)):
@@ -1149,26 +1192,32 @@ def random_chat_model(config):
     return model, tokenizer
 
 
-def stage_e2e(stage: Stage) -> None:
-    """A real infemeral-server (a subprocess on this device, plaintext on 127.0.0.1) serving a random-weight
-    bundle of the default shape, and a client in this process: one short generation."""
-    from infemeral.client.client import Client
+@contextlib.contextmanager
+def serving(stage: Stage, server_dir: Path, name: str, in_process: bool = False):
+    """A real infemeral-server serving `server_dir` (a subprocess on this device, plaintext on 127.0.0.1): its
+    address, once it serves (its start-up self-checks passed); its log is <work>/<name>-server.log. `in_process`:
+    the same server in this process instead (a new interpreter takes ~20 s to start on a busy CPU)."""
     from infemeral.client.health import wait_until_serving
-    from infemeral.client.sampling import SamplingParams
-    from infemeral.cloak.prepare import prepare
-    from infemeral.cloak.sources import ModelSource
 
-    plan = stage.plan
-    model, tokenizer = random_chat_model(plan.default)
-    bundles = prepare(output=stage.work / "e2e-bundles", source=ModelSource(model, tokenizer, "random weights"),
-                      progress=False)
-    del model
     stage.check("starting the server")
+    if in_process:
+        from infemeral.server.app import Server
+        from infemeral.server.settings import ServerSettings
+
+        start = time.perf_counter()
+        server = Server(ServerSettings(bundle=server_dir, listen="127.0.0.1:0", store=str(stage.work / f"{name}-store"),
+                                       device=stage.device.type, dtype=str(stage.dtype)[6:], metrics_port=0)).start()
+        stage.record("server start s", round(time.perf_counter() - start, 2))
+        try:
+            yield f"127.0.0.1:{server.port}"
+        finally:
+            server.stop(0)
+        return
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    log = stage.work / "e2e-server.log"
-    env = dict(os.environ, INFEMERAL_BUNDLE=str(bundles.server_dir), INFEMERAL_STORE=str(stage.work / "e2e-store"),
+    log = stage.work / f"{name}-server.log"
+    env = dict(os.environ, INFEMERAL_BUNDLE=str(server_dir), INFEMERAL_STORE=str(stage.work / f"{name}-store"),
                INFEMERAL_LISTEN=f"127.0.0.1:{port}", INFEMERAL_DEVICE=stage.device.type,
                INFEMERAL_DTYPE=str(stage.dtype)[6:], INFEMERAL_METRICS_PORT="0",
                INFEMERAL_GRACE_SECONDS="0")
@@ -1182,7 +1231,31 @@ def stage_e2e(stage: Stage) -> None:
         except (RuntimeError, TimeoutError) as e:
             raise RuntimeError(f"{e}; the server's log ends: {log.read_text()[-1500:]}") from None
         stage.record("server start s", round(time.perf_counter() - start, 2))
-        client = Client(f"127.0.0.1:{port}", bundles.client_dir, timeout=120, client_device="cpu")
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def stage_e2e(stage: Stage) -> None:
+    """A real infemeral-server serving a random-weight bundle of the default shape, and a client in this process:
+    one short generation."""
+    from infemeral.client.client import Client
+    from infemeral.client.sampling import SamplingParams
+    from infemeral.cloak.prepare import prepare
+    from infemeral.cloak.sources import ModelSource
+
+    plan = stage.plan
+    model, tokenizer = random_chat_model(plan.default)
+    bundles = prepare(output=stage.work / "e2e-bundles", source=ModelSource(model, tokenizer, "random weights"),
+                      progress=False)
+    del model
+    with serving(stage, bundles.server_dir, "e2e") as address:
+        client = Client(address, bundles.client_dir, timeout=120, client_device="cpu")
         client.eos_ids = set()  # random weights: generate the tokens asked for
         try:
             ids = tokenizer(" ".join(f"w{3 + i * 7}" for i in range(24)))["input_ids"]
@@ -1193,18 +1266,101 @@ def stage_e2e(stage: Stage) -> None:
         stage.record("generation", {"prompt tokens": result.prompt_tokens, "generated": result.generated_tokens,
                                     "time to first token s": round(result.time_to_first_token, 3),
                                     "tokens per second": round(result.tokens_per_second, 1)})
-    finally:
-        proc.terminate()
+
+
+def speculation_split(stage: Stage):
+    """(bundles, draft head, what they are) of the speculation stage: the default model (--speculation-model: the
+    packaged GGUF, 98 MB, brought in two calls where it is not installed) and the head the speculation benchmark
+    trained on a CPU (--speculation-head, default .bundles/draft-head-default, carried along); in a dry run a
+    random model of the default shape and a random head (the same code path, no figure that means anything)."""
+    from bench.sections.speculation import HEAD_DIR
+
+    from infemeral.cloak.prepare import prepare
+    from infemeral.cloak.sources import ModelSource
+
+    if stage.plan.dry_run:
+        from infemeral.speculation.head.model import HeadModel, layer_config
+
+        model, tokenizer = random_chat_model(stage.plan.default)
+        source, head, what = ModelSource(model, tokenizer, "random weights"), HeadModel(layer_config(model.config)), \
+            "random weights, random head (dry run)"
+    else:
+        from infemeral.speculation.draft_model import load_model
+
+        head = stage.lease.speculation_head or HEAD_DIR
+        if not (head / "config.json").exists():
+            raise FileNotFoundError(f"no draft head at {head}: carry the one the speculation benchmark trained "
+                                    "(.bundles/draft-head-default, from scripts/bench.py --only speculation)")
+        name = stage.lease.speculation_model
+        model, tokenizer = load_model(name, torch.float32)  # FileNotFoundError names what is missing
+        source = ModelSource(model, tokenizer, "packaged SmolLM2" if name == "default" else str(name),
+                             packaged=name == "default")
+        what = f"{'the packaged SmolLM2' if name == 'default' else name}, the draft head {head}"
+    bundles = prepare(output=stage.work / "speculation-bundles", source=source, progress=False)
+    return bundles, head, what
+
+
+def stage_speculation(stage: Stage) -> None:
+    """Chat where verification is cheap: the server on this GPU, a client on this machine's CPU with a draft head
+    through scripts/delay_proxy.py at SPEC_RTT_MS; each held-out chat prompt with speculation off and with the
+    head (trees where the server verifies them), greedy, in fresh sessions, alternating which goes first. The
+    speedup is the mean over the prompts of tokens/s with / without; the figure is kept after every prompt."""
+    from bench.workloads import CHAT_PROMPTS
+    from delay_proxy import DelayProxy
+
+    from infemeral.client.client import Client
+    from infemeral.client.sampling import SamplingParams
+    from infemeral.speculation.head.drafter import DraftHead
+
+    plan = stage.plan
+    bundles, head, what = speculation_split(stage)
+    stage.record("model", what)
+    with serving(stage, bundles.server_dir, "speculation", in_process=plan.dry_run) as address, \
+            DelayProxy(address, rtt_ms=SPEC_RTT_MS) as proxy:
+        client = Client(proxy.address, bundles.client_dir, timeout=120, client_device="cpu",
+                        draft_head=head if isinstance(head, Path) else None)
         try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            if not isinstance(head, Path):
+                client.draft_head = DraftHead(head, client.model)
+            if plan.dry_run:
+                client.eos_ids = set()  # random weights: generate the tokens asked for
+            stage.record("server verifies draft trees", client.server_info().draft_trees)
+
+            def turn(prompt: str, speculate: str, n: int):
+                session = client.new_session()
+                try:
+                    return session.chat(prompt, SamplingParams(max_new_tokens=n, speculate=speculate))
+                finally:
+                    session.delete()
+
+            for speculate in ("off", "head"):
+                turn("Hello!", speculate, 4)  # warm-up
+            rows = []
+            for i, prompt in enumerate(CHAT_PROMPTS[:plan.spec_prompts]):
+                stage.check(f"chat prompt {i}")
+                modes = ("off", "head") if i % 2 == 0 else ("head", "off")
+                results = {mode: turn(prompt, mode, plan.spec_tokens) for mode in modes}
+                off, on = results["off"], results["head"]
+                rows.append({"prompt": i, "tokens": on.generated_tokens, "tokens/s off": round(off.tokens_per_second, 2),
+                             "tokens/s head": round(on.tokens_per_second, 2),
+                             "speedup": round(on.tokens_per_second / off.tokens_per_second, 3),
+                             "tokens per round trip": round(1 + on.accepted_drafts / max(on.round_trips - 1, 1), 2),
+                             "identical": on.token_ids == off.token_ids})
+                stage.record("chat", rows)
+                speedup = statistics.mean(r["speedup"] for r in rows)
+                identical = sum(r["identical"] for r in rows)
+                stage.target(f"chat_speedup_{SPEC_RTT_MS}ms", speedup,
+                             f"{speedup:.2f}× ≥ 1.5× over {len(rows)} prompts, "
+                             f"{statistics.mean(r['tokens per round trip'] for r in rows):.2f} tokens per round trip")
+                stage.target("chat_greedy_identical", identical / len(rows), f"{identical} of {len(rows)} identical")
+        finally:
+            client.close()
 
 
 STAGE_FUNCTIONS: dict[str, Callable[[Stage], None]] = {
     "env": stage_env, "kernels": stage_kernels, "attention": stage_attention, "self_check": stage_self_check,
-    "exactness": stage_exactness, "throughput": stage_throughput, "memory": stage_memory, "e2e": stage_e2e}
+    "exactness": stage_exactness, "throughput": stage_throughput, "memory": stage_memory, "e2e": stage_e2e,
+    "speculation": stage_speculation}
 
 
 # -- FlashInfer's kernel cache ----------------------------------------------------------------------------------
@@ -1283,6 +1439,10 @@ def main(argv: list[str] | None = None) -> int:
                         "of an earlier run to install before anything compiles")
     parser.add_argument("--work", type=Path, default=None, help="scratch folder for bundles, stores and "
                         "FlashInfer's builds (default: a new temporary folder)")
+    parser.add_argument("--speculation-model", default="default", help="the speculation stage's model: 'default' "
+                        "(the packaged SmolLM2, if installed) or its .gguf file brought along")
+    parser.add_argument("--speculation-head", type=Path, default=None, help="the speculation stage's draft head "
+                        "for that model (default .bundles/draft-head-default, what the speculation benchmark trains)")
     parser.add_argument("--inject", action="append", default=[], metavar="raise:STAGE|stall:STAGE",
                         help="make a stage fail or hang where it starts (to test this script)")
     args = parser.parse_args(argv)
@@ -1299,6 +1459,7 @@ def main(argv: list[str] | None = None) -> int:
     budget = args.budget or (DRY_BUDGET if args.dry_run else GPU_BUDGET)
     lease = Lease(plan, [s for s in STAGES if s in stages], budget, out, work, parse_injections(args.inject),
                   list(argv if argv is not None else sys.argv[1:]))
+    lease.speculation_model, lease.speculation_head = args.speculation_model, args.speculation_head
     if args.kernel_cache is not None and not args.kernel_cache.is_dir():
         lease.kernel_cache["carried in"] = f"none ({args.kernel_cache} is not a folder)"
     elif args.kernel_cache is not None and lease.flashinfer()[0] is not None:

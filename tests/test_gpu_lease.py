@@ -64,6 +64,12 @@ def test_dry_run_runs_every_stage_and_skips_only_what_needs_cuda(dry_run):
     assert set(rates) == {"torch", "transformers"} and all(r > 0 for r in rates["transformers"].values())
     assert stages["memory"]["figures"]["memory"]["KV GB per session (measured)"] > 0
     assert stages["e2e"]["figures"]["generation"]["generated"] == gpu_lease.dry_plan().e2e_tokens
+    tree_cases = {row["case"] for row in stages["attention"]["figures"]["cases"]} & set(gpu_lease.dry_plan().tree_cases)
+    assert tree_cases and stages["attention"]["figures"]["worst with draft trees"]["torch"] < 2e-2
+    assert any(c["check"].startswith("attention, draft tree") for c in stages["self_check"]["figures"]["checks"])
+    speculation = stages["speculation"]["figures"]
+    assert speculation["server verifies draft trees"] and len(speculation["chat"]) == gpu_lease.dry_plan().spec_prompts
+    assert all(row["identical"] and row["tokens"] == gpu_lease.dry_plan().spec_tokens for row in speculation["chat"])
 
 
 def test_dry_run_reports_in_json_markdown_and_target_lines(dry_run):
