@@ -17,7 +17,7 @@ from infemeral.endpoint.app import create_app
 from infemeral.endpoint.conversations import Conversations
 from infemeral.endpoint.session_pool import SessionPool
 from infemeral.endpoint.wire_meter import WireMeter
-from tests.endpoint.test_openai_api import TurnLog, stored_sessions
+from tests.endpoint.openai_endpoint import TurnLog, stored_sessions
 
 webdriver = pytest.importorskip("selenium.webdriver")
 from selenium.webdriver.common.by import By  # noqa: E402
