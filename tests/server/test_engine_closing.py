@@ -28,10 +28,10 @@ def test_closing_a_turn_never_waits_for_its_running_step(bundle, tmp_path, monke
         running, release = threading.Event(), threading.Event()
         real_run = engine.runner.run
 
-        def slow_run(caches, hidden, num_outputs):
+        def slow_run(caches, hidden, num_outputs, trees=None):
             running.set()
             release.wait(10)
-            return real_run(caches, hidden, num_outputs)
+            return real_run(caches, hidden, num_outputs, trees)
 
         monkeypatch.setattr(engine.runner, "run", slow_run)
         turn = c.open()
@@ -68,9 +68,9 @@ def test_an_overflowed_step_fails_only_its_turn(bundle, tmp_path):
         batches = []
         real_run = engine.runner.run
 
-        def recording_run(caches, hidden, num_outputs):
+        def recording_run(caches, hidden, num_outputs, trees=None):
             batches.append({id(cache) for cache in caches})
-            return real_run(caches, hidden, num_outputs)
+            return real_run(caches, hidden, num_outputs, trees)
 
         engine.runner.run = recording_run
         with arriving_together(engine):  # both steps reach the worker at once, so they share one forward pass
@@ -105,8 +105,8 @@ def test_an_answer_that_overflows_the_wire_dtype_fails_its_turn(engine, monkeypa
     committed = snapshot(a.stored_cache())
     real_run = engine.runner.run
 
-    def huge_answers(caches, hidden, num_outputs):
-        return [None if h is None else h * 0 + 1e5 for h in real_run(caches, hidden, num_outputs)]
+    def huge_answers(caches, hidden, num_outputs, trees=None):
+        return [None if h is None else h * 0 + 1e5 for h in real_run(caches, hidden, num_outputs, trees)]
 
     monkeypatch.setattr(engine.runner, "run", huge_answers)
     turn = a.open()

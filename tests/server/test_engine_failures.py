@@ -63,10 +63,10 @@ def test_a_failed_forward_fails_only_its_batch(bundle, store, monkeypatch):
         ta, tb = a.open(), b.open()
         real_run = engine.runner.run
 
-        def out_of_memory(caches, hidden, num_outputs):
+        def out_of_memory(caches, hidden, num_outputs, trees=None):
             if tb.cache in caches:
                 raise RuntimeError("CUDA out of memory. Tried to allocate 20.00 GiB")
-            return real_run(caches, hidden, num_outputs)
+            return real_run(caches, hidden, num_outputs, trees)
 
         monkeypatch.setattr(engine.runner, "run", out_of_memory)
         with pytest.raises(Unavailable, match=r"failed to run this step \(RuntimeError; out of memory\?\); "

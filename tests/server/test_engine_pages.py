@@ -279,10 +279,10 @@ def test_truncation_frees_pages_on_the_worker_between_batches(engine, monkeypatc
     running, go_on = threading.Event(), threading.Event()
     real_run = engine.runner.run
 
-    def slow_run(caches, hidden, num_outputs):
+    def slow_run(caches, hidden, num_outputs, trees=None):
         running.set()
         go_on.wait(10)
-        return real_run(caches, hidden, num_outputs)
+        return real_run(caches, hidden, num_outputs, trees)
 
     monkeypatch.setattr(engine.runner, "run", slow_run)
     step = engine.submit_step(ta, torch.randn(1, HIDDEN), a.length)
