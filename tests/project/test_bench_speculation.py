@@ -49,6 +49,7 @@ def test_head_targets_pass_and_miss_on_their_thresholds():
     assert found["chain_tokens_per_round_trip"] == "TARGET speculation chain_tokens_per_round_trip: MISS (1.56 ≥ 1.6)"
     assert found["no_slowdown"] == ("TARGET speculation no_slowdown: MISS (worst 0.90× ≥ 0.95× at 0/20/80 ms; "
                                     "head-chain at 0 ms)")  # chains count as well as trees, at 0 ms as at 80
+    assert "auto_vs_lookup" not in found  # auto was not run
 
 
 def test_a_tree_run_that_differs_from_speculation_off_fails_greedy_identical():
