@@ -97,15 +97,7 @@ class InfemeralService(pb_grpc.InfemeralServicer):
 
     async def DeleteSession(self, request, context):
         job = self.delete_executor.submit(self.engine.delete_session, request.session_id, request.session_key)
-        sid = short_id(request.session_id) if request.session_id else "-"
-        try:
-            await asyncio.wrap_future(job)
-        except StatusError as e:
-            log.warning("delete refused session=%s status=%s", sid, e.code.name)
-            await abort(context, e)
-        except STORE_ERRORS as e:
-            log.error("delete failed session=%s status=UNAVAILABLE (store error: %s)", sid, type(e).__name__)
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "session store is unavailable; retry")
+        await self._settle(job, context, "delete", "session", request.session_id)
         return pb.DeleteSessionResponse()
 
     async def ForkSession(self, request, context):
@@ -115,16 +107,23 @@ class InfemeralService(pb_grpc.InfemeralServicer):
         job = self.turn_executor.submit(
             self.engine.fork_session, request.source_id, request.source_key, request.source_version,
             request.session_id, request.session_key, request.bundle_fingerprint, request.drop, account)
-        sid = short_id(request.source_id) if request.source_id else "-"
+        manifest = await self._settle(job, context, "fork", "source", request.source_id)
+        return pb.ForkSessionResponse(version=manifest.version, cache_length=manifest.length)
+
+    @staticmethod
+    async def _settle(job, context, call: str, what: str, session_id: str):
+        """The result of a call run on an executor, or the call aborted with the status its failure maps to:
+        a refusal's own status, UNAVAILABLE for a store that failed (the client may retry). Logs name the
+        session by its short id, never its key."""
+        sid = short_id(session_id) if session_id else "-"
         try:
-            manifest = await asyncio.wrap_future(job)
+            return await asyncio.wrap_future(job)
         except StatusError as e:
-            log.warning("fork refused source=%s status=%s", sid, e.code.name)
+            log.warning("%s refused %s=%s status=%s", call, what, sid, e.code.name)
             await abort(context, e)
         except STORE_ERRORS as e:
-            log.error("fork failed source=%s status=UNAVAILABLE (store error: %s)", sid, type(e).__name__)
+            log.error("%s failed %s=%s status=UNAVAILABLE (store error: %s)", call, what, sid, type(e).__name__)
             await context.abort(grpc.StatusCode.UNAVAILABLE, "session store is unavailable; retry")
-        return pb.ForkSessionResponse(version=manifest.version, cache_length=manifest.length)
 
     async def finish(self, timeout: float = 10.0) -> None:
         """Wait for the calls the server cancelled while stopping to close their turns."""

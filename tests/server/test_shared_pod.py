@@ -293,6 +293,10 @@ class FlakyStore:
         self._check()
         return self.store.commit_manifest(*args)
 
+    def delete_session(self, *args):
+        self._check()
+        return self.store.delete_session(*args)
+
 
 class FlakyLock:
     def __init__(self, flaky: FlakyStore, lock):
@@ -334,6 +338,34 @@ def test_failed_lock_release_leaves_nothing_stuck(impatient_pod, monkeypatch):
     assert session.chat("Still there?", SHORT).version == 2
     assert not srv.engine.sessions.unreleased_locks and path.read_bytes() != blob
     session.delete()
+    assert not path.exists() and pool_is_whole(srv)
+
+
+def test_delete_and_fork_while_the_store_is_down_answer_unavailable_and_lose_nothing(impatient_pod, monkeypatch):
+    """Calls outside a turn map a store that went away as a turn does: UNAVAILABLE with a hint to retry, the
+    committed session as it was, and both calls work once the store is back."""
+    srv, c = impatient_pod
+    flaky = FlakyStore(srv.engine.store)
+    monkeypatch.setattr(srv.engine, "store", flaky)
+    monkeypatch.setattr(srv.engine.persistence, "store", flaky)
+    session = c.new_session()
+    session.chat("Hello there.", SHORT)
+    path = StoredSession(srv.settings.store, session.id)
+    blob = path.read_bytes()
+
+    flaky.is_down = True
+    for call in (session.delete, session.fork):
+        with pytest.raises(StatusError) as info:
+            call()
+        assert info.value.code == grpc.StatusCode.UNAVAILABLE, info.value
+        assert "session store is unavailable; retry" in str(info.value)
+    assert path.read_bytes() == blob and srv.engine.active_turns == 0 and pool_is_whole(srv)
+
+    flaky.is_down = False
+    fork = session.fork()
+    assert fork.chat("And then?", SHORT).version == 2 and session.version == 1
+    for s in (fork, session):
+        s.delete()
     assert not path.exists() and pool_is_whole(srv)
 
 

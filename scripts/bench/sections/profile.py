@@ -105,7 +105,7 @@ class Probe:
 
 
 def layer_stack(engine):
-    for owner in (engine, getattr(engine, "runner", None), getattr(engine, "model_runner", None)):
+    for owner in (engine, getattr(engine, "runner", None)):
         layers = getattr(owner, "layers", None)
         if layers is not None and hasattr(layers, "forward_batch"):
             return getattr(layers, "_inner", layers)
