@@ -54,6 +54,17 @@ class TreeDraft:
             node = max(children, key=lambda i: self.probs[i])
             path.append(node)
 
+    def matching(self, tokens: list[int]) -> int:
+        """How many of `tokens` the tree spells from the root down one path: the drafts greedy verification
+        keeps when `tokens` are what the model decodes (children hold distinct tokens, so there is one path)."""
+        node, n = -1, 0
+        for token in tokens:
+            node = next((i for i, p in enumerate(self.parents) if p == node and self.tokens[i] == token), None)
+            if node is None:
+                break
+            n += 1
+        return n
+
     def best(self, n: int, keep: list[int] = ()) -> "TreeDraft":
         """The nodes of `keep` (a path from the root, or none) and the `n` most probable others (a parent before
         its children on ties), in the same order as here — a tree still, since no child is more probable than

@@ -205,6 +205,50 @@ def test_best_nodes_form_a_tree_in_order():
     assert tree.best(0).tokens == []
 
 
+def test_matching_follows_the_one_path_that_spells_the_tokens():
+    """Children hold distinct tokens, so the tokens the model decodes pick one path; it stops at the first token
+    no child holds, whatever deeper nodes hold."""
+    tree = TreeDraft(tokens=[5, 6, 7, 8, 7, 9], parents=[-1, -1, 0, 1, 1, 4], probs=[0.5, 0.4, 0.3, 0.2, 0.2, 0.1])
+    assert tree.matching([6, 7, 9, 1]) == 3  # root 6 -> its child 7 -> 9: the second branch, not 5's child 7
+    assert tree.matching([5, 7, 9]) == 2     # 5's 7 has no child 9
+    assert tree.matching([7, 9]) == 0        # 7 is no first-level node
+    assert tree.matching([]) == 0 and TreeDraft([], [], []).matching([5]) == 0
+
+
+def test_the_held_out_measure_keeps_what_a_tree_verification_keeps():
+    """Stepping through an answer with trees: a step keeps the tree's path that agrees with the answer, then the
+    model's token, and the next starts after them. This drafter's trees hold the answer's next token on the second
+    branch only (a chain, the first branch, is always wrong) and the one after it beneath."""
+    from types import SimpleNamespace
+
+    from infemeral.speculation.head.data import TrainingData
+    from infemeral.speculation.head.measure import measure
+
+    calls = []
+
+    class SecondBranch:
+        def observe(self, ids, features):
+            pass
+
+        def propose(self, ids, k):
+            return [-1] * k  # the first branch: wrong
+
+        def propose_tree(self, ids, nodes, depth):
+            calls.append((len(ids), nodes, depth))
+            n = len(ids)  # the token at position i is i: the answer goes on with n, n + 1, ...
+            return TreeDraft(tokens=[-1, n, n + 1], parents=[-1, -1, 1], probs=[0.6, 0.3, 0.2])
+
+    head = SimpleNamespace(vocab=SimpleNamespace(target_ids=None), fork=SecondBranch)
+    ids = torch.arange(41)
+    data = TrainingData([ids], [ids.float()[:, None]], [10])  # answer positions 10..40: 30 to step through
+    first, per_step, _ = measure(head, data, 2, progress=False, tree_nodes=3)
+    # 10 steps of 3 tokens (2 kept drafts + the model's): 10 -> 13 -> ... -> 40
+    assert per_step == pytest.approx(3.0) and len(calls) == 10 and first == 0.0  # the likeliest first node is wrong
+    assert calls[0] == (11, 3, 2) and [c[0] for c in calls] == list(range(11, 41, 3))
+    first, per_step, _ = measure(head, data, 2, progress=False)  # chains: nothing kept
+    assert per_step == 1.0 and first == 0.0
+
+
 def test_tree_size_grows_where_positions_are_cheap_and_stays_small_where_they_are_dear():
     tree = TreeDraft(tokens=list(range(12)), parents=[-1] * 4 + [0] * 4 + [1] * 4,
                      probs=[0.5, 0.2, 0.1, 0.05] + [0.3, 0.1, 0.05, 0.02] + [0.1, 0.05, 0.02, 0.01])

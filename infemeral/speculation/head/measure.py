@@ -23,12 +23,14 @@ class TargetTables:
 
 
 @torch.inference_mode()
-def measure(head: DraftHead, data: TrainingData, k: int, limit: int = 1 << 30,
-            progress: bool = True) -> tuple[float, float, float]:
+def measure(head: DraftHead, data: TrainingData, k: int, limit: int = 1 << 30, progress: bool = True,
+            tree_nodes: int = 0) -> tuple[float, float, float]:
     """(first draft right, tokens per step with k drafts, share of answer tokens in the draft vocabulary) over
     the first `limit` answer positions of each of `data`'s conversations, stepped through as a session steps:
     each step drafts k after the last token, keeps the agreeing drafts and the model's own token, and the next
-    step starts after them.
+    step starts after them. With `tree_nodes`, each step drafts a tree of that many nodes and k levels instead
+    (`propose_tree`) and keeps the path that agrees: tokens per step is then what greedy verification of such a
+    tree keeps, whatever a step costs; the first draft is the tree's most probable first-level node.
 
     Drafting at every position instead overstates what a session gets: its steps start where the head was
     just wrong (or after k right drafts), and a head is right less often there than on average (a head for the
@@ -48,14 +50,18 @@ def measure(head: DraftHead, data: TrainingData, k: int, limit: int = 1 << 30,
         covered += sum(1 for t in ids[start:] if vocab is None or t in vocab)
         m, end = start, min(len(ids) - 1, start + limit)  # ids[m]: the step's token, sampled, its feature unknown
         while m < end:
-            drafts = drafter.propose(ids[:m + 1], k)
             truth = ids[m + 1:m + 1 + k]
-            accepted = 0
-            for a, b in zip(drafts, truth):
-                if a != b:
-                    break
-                accepted += 1
-            first += bool(drafts) and drafts[0] == truth[0]
+            if tree_nodes:
+                tree = drafter.propose_tree(ids[:m + 1], tree_nodes, k)
+                accepted = tree.matching(truth) if tree is not None else 0
+                path = tree.greedy_path() if tree is not None else []
+                top = tree.tokens[path[0]] if path else None
+            else:
+                drafts = drafter.propose(ids[:m + 1], k)
+                accepted = next((i for i, (a, b) in enumerate(zip(drafts, truth)) if a != b), min(len(drafts),
+                                                                                                len(truth)))
+                top = drafts[0] if drafts else None
+            first += top is not None and top == truth[0]
             tokens += 1 + accepted
             steps += 1
             drafter.observe(ids[:m + 1 + accepted], feats[m:m + 1 + accepted])  # the step's verified positions
@@ -63,3 +69,4 @@ def measure(head: DraftHead, data: TrainingData, k: int, limit: int = 1 << 30,
             m += 1 + accepted
     bar.close()
     return first / max(steps, 1), tokens / max(steps, 1), covered / max(answer, 1)
+

@@ -227,13 +227,8 @@ def train_drafter(model: str | Path, output: str | Path, settings: TrainSettings
             target, tokenizer = load_model(model, torch.float32)
         else:
             target, tokenizer = loaded
-        answering = FasterThreads(device, trials=2, fixed=settings.threads)  # a batch's first 4 decode steps try
-        answers = LocalAnswers(target, tokenizer, str(model), device,
-                               generate_dtype(settings.generate_dtype, target, device), settings.generate_batch,
-                               answering)
-    prompts = chat_prompts(settings.prompts + settings.held_out, seed=settings.seed)
-    data = training_data(answers, prompts, settings, cache_dir=None if cache_dir is None else Path(cache_dir),
-                         progress=progress)
+        answers = local_answers(model, target, tokenizer, settings, device)
+    data = answered(answers, settings, cache_dir, progress)
     threads = settings.threads or (training_threads(target, device, settings.generate_batch) if target is not None
                                    else torch.get_num_threads())
     torch.set_num_threads(threads)
@@ -241,7 +236,7 @@ def train_drafter(model: str | Path, output: str | Path, settings: TrainSettings
     tables = TargetTables(*answers.target_weights(), device)
     config = tables.config
     data_seconds = time.perf_counter() - started
-    train_data, held = data.split(min(settings.held_out, max(len(data.ids) - 1, 0)))
+    train_data, held = split(data, settings)
     draft_ids = draft_vocabulary(train_data, settings.draft_vocab, config.vocab_size)
     frozen = frozen_tables(tables, draft_ids)
     module = HeadModel(layer_config(config), device=device)
@@ -259,6 +254,26 @@ def train_drafter(model: str | Path, output: str | Path, settings: TrainSettings
               probe_rows=probe_rows, info={"training": {"model": str(model), "answered_by": answers.description,
                                                         **asdict(report), "settings": asdict(settings)}})
     return report
+
+
+def local_answers(model: str | Path, target, tokenizer, settings: TrainSettings, device: torch.device) -> LocalAnswers:
+    """The model here answering as a training run has it answer (the name and dtype key its answers on disk)."""
+    answering = FasterThreads(device, trials=2, fixed=settings.threads)  # a batch's first 4 decode steps try
+    return LocalAnswers(target, tokenizer, str(model), device, generate_dtype(settings.generate_dtype, target, device),
+                        settings.generate_batch, answering)
+
+
+def answered(answers: Answers, settings: TrainSettings, cache_dir: str | Path | None,
+             progress: bool = True) -> TrainingData:
+    """The training prompts and the held-out ones as `answers` answered them (from `cache_dir` if made before)."""
+    prompts = chat_prompts(settings.prompts + settings.held_out, seed=settings.seed)
+    return training_data(answers, prompts, settings, cache_dir=None if cache_dir is None else Path(cache_dir),
+                         progress=progress)
+
+
+def split(data: TrainingData, settings: TrainSettings) -> tuple[TrainingData, TrainingData]:
+    """(what the head trains on, the held-out answers it is measured on)."""
+    return data.split(min(settings.held_out, max(len(data.ids) - 1, 0)))
 
 
 def run(args: argparse.Namespace, answers: Answers | None = None) -> int:
