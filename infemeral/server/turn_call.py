@@ -40,7 +40,8 @@ from infemeral.errors import DeadlineExceeded, InvalidArgument, StatusError
 from infemeral.protocol import pb
 from infemeral.protocol.tensors import EIGHT_BIT, from_proto, to_proto
 from infemeral.server.config import ServiceLimits
-from infemeral.server.engine import BUSY_GRACE_SECONDS, Engine, SessionInTurn, short_id
+from infemeral.server.engine import Engine
+from infemeral.server.sessions import BUSY_GRACE_SECONDS, SessionInTurn, short_id
 from infemeral.server.turn import Turn
 from infemeral.storage.open import store_errors
 from infemeral.transport import API_KEY_HEADER, is_loopback
