@@ -450,11 +450,11 @@ def test_the_training_prompts_are_not_the_benchmarks():
     import ast
     from pathlib import Path
 
-    from infemeral.speculation.head.prompts import chat_prompts
+    from infemeral.speculation.head.prompts import chat_prompts, held_out_prompts
 
     source = (Path(__file__).resolve().parents[2] / "scripts" / "bench" / "workloads.py").read_text()
     benchmark = {node.value for node in ast.walk(ast.parse(source))
                  if isinstance(node, ast.Constant) and isinstance(node.value, str)}
     prompts = chat_prompts()
     assert len(prompts) >= 500 and len(set(prompts)) == len(prompts)
-    assert not set(prompts) & benchmark
+    assert not set(prompts) & benchmark and not set(held_out_prompts()) & benchmark

@@ -3,12 +3,17 @@
 The model answers them itself (self-distillation), so they only have to look like what people ask a
 chat model: explanations, how-tos, advice, comparisons, stories and poems, facts, small programs,
 e-mails. Templates are crossed with subjects and interleaved by kind, so any prefix of the list is
-balanced. None of them is a prompt of the speculation benchmark (`scripts/bench/workloads.py`),
-which measures heads trained on these.
+balanced. The first 766 are those plain prompts (heads and cached answers are keyed by them, so they never
+change); after them each plain prompt comes again with an answer style asked for ("as a numbered list", "for
+a beginner", ...), every kind in proportion, for runs that afford ten times the CPU's answers.
+`held_out_prompts()` are written from subjects no training prompt uses: the fixed set on which heads trained
+on any number of these are compared. None of them is a prompt of the speculation benchmark
+(`scripts/bench/workloads.py`), which measures heads trained on these.
 """
 
 from __future__ import annotations
 
+import functools
 import random
 
 EXPLAIN = (
@@ -155,8 +160,31 @@ def _kind(templates, items) -> list[str]:
     return out
 
 
-def chat_prompts(count: int | None = None, seed: int = 0) -> list[str]:
-    """`count` training prompts (all of them if None), kinds interleaved, in a fixed order."""
+STYLES = (
+    "Answer in a few sentences.", "Answer as a numbered list.", "Explain it for a beginner.",
+    "Keep it under a hundred words.", "Go into detail.", "Use a friendly, informal tone.", "Include an example.",
+    "Start with a one-line summary.", "Use plain words and short sentences.", "Answer as a patient teacher would.",
+)
+
+# Subjects of no training prompt, two per kind: the comparison set's (`held_out_prompts`)
+HELD_OUT_ITEMS = (
+    (EXPLAIN, ("a thermostat", "ocean currents")),
+    (HOW_TO, ("descale a kettle", "plan a road trip")),
+    (TIPS, ("public speaking", "growing tomatoes")),
+    (CREATIVE, ("a snowman who dreams of summer", "a kite caught in a tree")),
+    (COMPARE, (("a frog", "a toad"), ("walking", "swimming"))),
+    (FACTS, ("koalas", "the river Danube")),
+    (PROS_CONS, ("buying a motorbike", "learning two languages at once")),
+    (CODE, ("counts the words in a sentence", "checks whether a year is a leap year")),
+    (WRITE, (("my dentist", "asking to move my appointment"), ("the city council", "reporting a broken streetlight"))),
+    (PLAN[:1], ("Krakow", "Seville")),
+)
+
+
+@functools.lru_cache(maxsize=4)
+def _all_prompts(seed: int) -> tuple[str, ...]:
+    """Every training prompt in order: the plain ones interleaved by kind (unchanged since heads were first
+    trained on them), then each again with each answer style, the kinds merged in proportion to their sizes."""
     kinds = [_kind(EXPLAIN, CONCEPTS), _kind(HOW_TO, TASKS), _kind(TIPS, ACTIVITIES), _kind(CREATIVE, SUBJECTS),
              _kind(COMPARE, PAIRS), _kind(FACTS, THINGS), _kind(PROS_CONS, CHOICES), _kind(CODE, CODE_TASKS),
              _kind(WRITE, [(r, p) for r in RECIPIENTS for p in PURPOSES]),
@@ -167,4 +195,28 @@ def chat_prompts(count: int | None = None, seed: int = 0) -> list[str]:
     out: list[str] = []
     for i in range(max(len(k) for k in kinds)):
         out += [k[i] for k in kinds if i < len(k)]
-    return out if count is None else out[:count]
+    # round r gives a kind's i-th prompt style i + r: every round each prompt once and the styles evenly
+    styled = [[f"{p} {STYLES[(i + r) % len(STYLES)]}" for r in range(len(STYLES)) for i, p in enumerate(k)]
+              for k in kinds]
+    # the j-th of a kind goes where (j + 1/2) / its size falls: every prefix holds each kind in proportion
+    order = sorted(((j + 0.5) / len(k), n, j) for n, k in enumerate(styled) for j in range(len(k)))
+    return tuple(out) + tuple(styled[n][j] for _, n, j in order)
+
+
+def chat_prompts(count: int | None = None, seed: int = 0) -> list[str]:
+    """The first `count` training prompts (all of them if None), kinds interleaved, in a fixed order: a prefix
+    of any longer list. Asking for more than there are is a ValueError that says how many there are."""
+    prompts = _all_prompts(seed)
+    if count is not None and count > len(prompts):
+        raise ValueError(f"{count} chat prompts asked for, but there are {len(prompts)}")
+    return list(prompts if count is None else prompts[:count])
+
+
+def held_out_prompts() -> list[str]:
+    """The comparison set: two prompts of each kind on subjects no training prompt has (so no head trained on
+    any prefix of `chat_prompts` has seen them), one plain and one with an answer style, as training has both."""
+    out = []
+    for n, (templates, (plain, styled)) in enumerate(HELD_OUT_ITEMS):
+        out.append(_kind(templates[:1], [plain])[0])
+        out.append(f"{_kind(templates[-1:], [styled])[0]} {STYLES[n % len(STYLES)]}")
+    return out

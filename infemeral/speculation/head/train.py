@@ -301,5 +301,9 @@ def check_arguments(args: argparse.Namespace) -> None:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, not {getattr(args, flag)}")
     if args.minutes <= 0:
         raise ValueError(f"--minutes must be above 0, not {args.minutes} (--max-steps can stop it sooner)")
+    available, held_out = len(chat_prompts()), TrainSettings().held_out
+    if args.prompts + held_out > available:
+        raise ValueError(f"--prompts {args.prompts}: there are {available} chat prompts and a run holds out "
+                         f"{held_out} of them, so at most --prompts {available - held_out}")
 
 
