@@ -13,6 +13,7 @@ from pathlib import Path
 
 import grpc
 
+from infemeral.client.stream import retry_at_limits, status_error
 from infemeral.cloak.manifest import client_manifest
 from infemeral.errors import StatusError, from_rpc_error
 from infemeral.protocol import pb, pb_grpc
@@ -81,14 +82,19 @@ class ServerLink:
 
     def fork_session(self, request: pb.ForkSessionRequest, timeout: float) -> pb.ForkSessionResponse:
         """Make a new session on the server from a committed one (`Session.fork`); `timeout`: the server
-        re-encrypts the whole cache, so this is no small call."""
-        try:
-            return self.stub.ForkSession(request, timeout=timeout)
-        except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.UNIMPLEMENTED:
-                raise StatusError(f"the server at {self.address} is older than this client and cannot fork "
-                                  "sessions; upgrade it, or start a new session", e.code()) from None
-            raise from_rpc_error(e) from None
+        re-encrypts the whole cache, so this is no small call. A fork takes a turn slot, so while the server is at
+        a limit it is asked again as a turn's open is (`retry_at_limits`), all within `timeout`."""
+
+        def attempt(seconds_left: float) -> pb.ForkSessionResponse:
+            try:
+                return self.stub.ForkSession(request, timeout=seconds_left)
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    raise StatusError(f"the server at {self.address} is older than this client and cannot fork "
+                                      "sessions; upgrade it, or start a new session", e.code()) from None
+                raise status_error(e) from None
+
+        return retry_at_limits(attempt, timeout, "forking the session")
 
     def close(self) -> None:
         self.channel.close()

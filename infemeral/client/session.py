@@ -17,10 +17,13 @@ keeps the committed state; a turn tells it how the turn ended (`committed`,
 
 from __future__ import annotations
 
+import logging
 import secrets
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+
+import grpc
 
 from infemeral.client import session_file
 from infemeral.client.pending import PendingCommit, committed_copy
@@ -30,12 +33,16 @@ from infemeral.client.session_file import SavedSession
 from infemeral.client.stream import open_turn
 from infemeral.client.turn import TurnLoop
 from infemeral.client.upload import ProgressCallback
-from infemeral.errors import Aborted, FailedPrecondition, InfemeralError
+from infemeral.errors import Aborted, FailedPrecondition, InfemeralError, NotFound, StatusError
 from infemeral.kvcache.cache import KVCache
 from infemeral.kvcache.prefix import common_prefix
 from infemeral.protocol import pb
 from infemeral.speculation.draft_length import DraftLength
 from infemeral.speculation.source import DraftSource, per_session, session_sources
+
+log = logging.getLogger(__name__)
+# How a call ends when its request may have reached the server but its reply did not come back
+REPLY_LOST = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
 
 
 class Session:
@@ -224,7 +231,9 @@ class Session:
         keep the first `keep_tokens` tokens of `history_ids` (what a whole transcript shares with them, as the
         OpenAI endpoint finds it), and the messages of the turns they hold whole. Refused (FailedPrecondition)
         where the window has already evicted tokens of what would be kept, or while this session's last commit
-        is unconfirmed (a turn settles it first)."""
+        is unconfirmed (a turn settles it first). A fork takes a turn slot, so a pod at its limits is asked again
+        within the client's timeout as a turn's open is; a fork whose reply is lost is deleted on the pod, best
+        effort, before its error is raised."""
         self.claim()
         try:
             if self.pending_commit is not None:
@@ -252,14 +261,23 @@ class Session:
                 raise FailedPrecondition("the window has evicted tokens of what the fork would keep: that prefix is "
                                          "gone from the caches; start a new session with those messages instead")
             fork = Session(self.client)
-            reply = self.client.link.fork_session(pb.ForkSessionRequest(
-                source_id=self.id, source_key=self.key, source_version=self.version,
-                bundle_fingerprint=self.client.bundle.server_fingerprint, session_id=fork.id, session_key=fork.key,
-                drop=drop), timeout=self.client.timeout)
+            try:
+                reply = self.client.link.fork_session(pb.ForkSessionRequest(
+                    source_id=self.id, source_key=self.key, source_version=self.version,
+                    bundle_fingerprint=self.client.bundle.server_fingerprint, session_id=fork.id,
+                    session_key=fork.key, drop=drop), timeout=self.client.timeout)
+            except StatusError as e:
+                if e.code not in REPLY_LOST:
+                    raise
+                outcome = self._discard_fork(fork, "its reply was lost")
+                raise type(e)(f"{e.message}: the fork's reply never came, so the server may have made it; {outcome}. "
+                              "This session is unchanged: fork it again (a pod that needs longer asks for a "
+                              "larger Client timeout)", e.code) from None
             length = self.cache.length - drop
             if reply.cache_length != length:
+                outcome = self._discard_fork(fork, "it does not match the client's cache")
                 raise Aborted(f"the server's fork holds {reply.cache_length} tokens but the client's {length}; "
-                              "the session file is out of date")
+                              f"the session file is out of date ({outcome})")
             fork.cache = committed_copy(self.cache, length)
             fork.version, fork.history_ids = reply.version, self.history_ids[:keep_tokens]
             fork.messages = [dict(m) for m in self.messages[:keep_messages]]
@@ -267,6 +285,23 @@ class Session:
             return fork
         finally:
             self.release()
+
+    def _discard_fork(self, fork: "Session", why: str) -> str:
+        """Delete, best effort, what the server may hold of a fork this session will not hand out (`why`), so that
+        it does not wait there, sealed, for the store's TTL; what became of it, for a message. Safe whatever the
+        server did: the fork's id is fresh (random, drawn for this fork) and was never given to anyone, so the
+        delete can only remove what this fork made. Logs name the fork by its short id (`Session.__repr__`)."""
+        try:
+            self.client.link.delete_session(fork.id, fork.key)
+            outcome = "the session it made was deleted"
+        except NotFound:
+            outcome = "it had made none"
+        except Aborted:  # the server is still forking: what it makes expires with the store's TTL
+            outcome = "it is still making it, and that session will expire on the server"
+        except StatusError as e:
+            outcome = f"deleting what it made failed ({e.code.name}), so that will expire on the server"
+        log.warning("fork %r of %r discarded (%s): %s", fork, self, why, outcome)
+        return outcome
 
     def delete(self) -> None:
         """Remove the session's stored state from the server."""

@@ -3,6 +3,8 @@
 Opening a turn is retried while the server answers RESOURCE_EXHAUSTED with a
 `retry-after-ms` hint, within the client's timeout: nothing has been sent
 then but the request to open. Once a turn has started, nothing is retried.
+A fork, which takes a turn slot as a turn does, is retried by the same rule
+(`retry_at_limits`).
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import grpc
 
@@ -21,6 +25,7 @@ from infemeral.protocol import pb
 log = logging.getLogger(__name__)
 RETRY_AFTER_KEY = "retry-after-ms"  # the server's hint on RESOURCE_EXHAUSTED (infemeral.server.turn_call)
 MIN_RETRY_WAIT = 0.05  # seconds
+T = TypeVar("T")
 
 
 class TurnStream:
@@ -127,22 +132,35 @@ def status_error(e: grpc.RpcError) -> StatusError:
     return error
 
 
-def open_turn(client, request: pb.OpenTurn) -> tuple[TurnStream, pb.Opened]:
-    """Open a Turn stream: the stream and the server's `opened` reply.
-
-    While the server is at a limit (RESOURCE_EXHAUSTED with a retry hint) wait as it says and try again,
-    until the client's timeout would pass: the open is all that was sent, so trying again repeats nothing."""
-    deadline = time.monotonic() + client.timeout
+def retry_at_limits(attempt: Callable[[float], T], timeout: float, what: str) -> T:
+    """What `attempt(seconds_left)` returns, asking again while the server is at a limit (RESOURCE_EXHAUSTED with a
+    retry hint, `status_error`): wait as it says and try again, until `timeout` seconds from now would pass, then
+    raise the refusal. Only for a call the server refuses before it does anything (opening a turn, a fork), so that
+    trying again repeats nothing; `what` names it in the log."""
+    deadline = time.monotonic() + timeout
     while True:
+        try:
+            return attempt(deadline - time.monotonic())
+        except ResourceExhausted as e:
+            if e.retry_after is None:
+                raise
+            wait = max(e.retry_after, MIN_RETRY_WAIT)
+            if time.monotonic() + wait > deadline:
+                raise
+            log.info("server is at a limit; %s again in %.2f s", what, wait)
+            time.sleep(wait)
+
+
+def open_turn(client, request: pb.OpenTurn) -> tuple[TurnStream, pb.Opened]:
+    """Open a Turn stream: the stream and the server's `opened` reply, asked again while the server is at a limit
+    (`retry_at_limits`) within the client's timeout: the open is all that was sent."""
+
+    def attempt(_seconds_left: float) -> tuple[TurnStream, pb.Opened]:
         stream = TurnStream(client)
         try:
             return stream, stream.call(pb.TurnRequest(open=request), "opened")
-        except ResourceExhausted as e:
-            stream.close()
-            if e.retry_after is None or time.monotonic() + e.retry_after > deadline:
-                raise
-            log.info("server is at a limit; opening the turn again in %.2f s", e.retry_after)
-            time.sleep(max(e.retry_after, MIN_RETRY_WAIT))
         except BaseException:
             stream.close()
             raise
+
+    return retry_at_limits(attempt, client.timeout, "opening the turn")

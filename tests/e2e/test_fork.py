@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import io
+import logging
 import os
 import sys
+import threading
 from types import SimpleNamespace
 
 import grpc
@@ -26,10 +28,11 @@ from infemeral.client.client import Client
 from infemeral.client.sampling import SamplingParams
 from infemeral.client.session import Session
 from infemeral.client.settings import ClientSettings
+from infemeral.client.stream import open_turn
 from infemeral.endpoint.app import create_app
 from infemeral.endpoint.session_pool import MIN_FORK_TOKENS, SessionPool
-from infemeral.errors import (Aborted, AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied,
-                              ResourceExhausted, StatusError, UsageError)
+from infemeral.errors import (Aborted, AlreadyExists, DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound,
+                              PermissionDenied, ResourceExhausted, StatusError, UsageError)
 from infemeral.kvcache import stored
 from infemeral.kvcache.prefix import common_prefix
 from infemeral.protocol import pb
@@ -200,7 +203,7 @@ def test_a_fork_at_a_turn_continues_as_a_session_that_only_had_those_turns(pod):
 
 
 @pytest.mark.slow
-def test_a_fork_is_refused_for_a_wrong_key_an_evicted_prefix_and_past_the_quota(pod):
+def test_a_fork_is_refused_for_a_wrong_key_an_evicted_prefix_and_past_the_quota(pod, monkeypatch):
     srv, _, (a, b) = pod
     session = a.new_session()
     session.chat("Name a colour.", GREEDY)
@@ -225,20 +228,85 @@ def test_a_fork_is_refused_for_a_wrong_key_an_evicted_prefix_and_past_the_quota(
     with pytest.raises(FailedPrecondition, match="prefix is gone"):
         session.fork(at_turn=1)
     assert session.fork().cache.length == session.cache.length
-    # the quota: key a holds its two turn slots, so its fork is refused at once; key b's is served
+    # the quota: key a holds its two turn slots, so its fork is refused (at once, with a timeout shorter than the
+    # retry hint); key b's is served
     other = b.new_session()
     other.chat("Name a fruit.", GREEDY)
     held = [a.new_session().stream("Tell me a long story.", SamplingParams(max_new_tokens=200)) for _ in range(2)]
     try:
         for h in held:
             next(h)
-        with pytest.raises(ResourceExhausted, match="this API key has its limit of 2 turns"):
+        with monkeypatch.context() as patch, pytest.raises(ResourceExhausted,
+                                                           match="this API key has its limit of 2 turns"):
+            patch.setattr(a, "timeout", 0.5)
             session.fork()
         assert other.fork().version == 1
     finally:
         for h in held:
             h.close()
     assert session.fork().version == 1  # the slots are back
+
+
+ONE_TOKEN = SamplingParams(max_new_tokens=1, temperature=0.0, speculate="off")
+
+
+def hold_turns(client, n: int) -> list:
+    """`n` turn slots of `client`'s key, held by turns opened on new sessions that then send nothing."""
+    return [open_turn(client, pb.OpenTurn(session_id=os.urandom(16), session_key=os.urandom(32),
+                                          bundle_fingerprint=client.bundle.server_fingerprint, reserve_tokens=1))[0]
+            for _ in range(n)]
+
+
+def test_a_fork_at_the_pods_limits_is_asked_again_within_the_timeout(pod, monkeypatch):
+    """Every turn slot taken (two per key, four in all): the fork is refused with a retry hint, asked again, and
+    made once a slot frees; with a timeout shorter than the hint it fails at once with RESOURCE_EXHAUSTED, though
+    a slot frees before the hint would have it asked again."""
+    srv, _, (a, b) = pod
+    session = a.new_session()
+    session.chat("Name a colour.", ONE_TOKEN)
+    held, frees = hold_turns(a, 2) + hold_turns(b, 2), []
+    try:
+        assert srv.engine.active_turns == 4
+        frees.append(threading.Timer(0.3, held.pop(0).close))
+        frees[-1].start()
+        assert session.fork().version == 1
+        held[:0] = hold_turns(a, 1)
+        frees.append(threading.Timer(0.3, held.pop(0).close))
+        frees[-1].start()
+        monkeypatch.setattr(a, "timeout", 0.5)
+        with pytest.raises(ResourceExhausted, match="this API key has its limit of 2 turns"):
+            session.fork()
+    finally:
+        for timer in frees:
+            timer.join()
+        for stream in held:
+            stream.close()
+
+
+def test_a_fork_whose_reply_is_lost_is_deleted_and_the_source_unchanged(pod, monkeypatch, caplog):
+    """The pod makes the fork but its reply never comes: the client deletes the new session it had named, says
+    so in its log by the short id, and raises the error with what to do; the source's stored bytes are as they
+    were."""
+    _, root, (client, _) = pod
+    session = client.new_session()
+    session.chat("Name a colour.", ONE_TOKEN)
+    stored_before = StoredSession(root, session.id).read_bytes()
+    made, fork_session = [], client.link.fork_session
+
+    def reply_lost(request, timeout):
+        fork_session(request, timeout)
+        made.append((request.session_id, request.session_key, StoredSession(root, request.session_id).exists()))
+        raise DeadlineExceeded("Deadline Exceeded [DEADLINE_EXCEEDED]", grpc.StatusCode.DEADLINE_EXCEEDED)
+
+    monkeypatch.setattr(client.link, "fork_session", reply_lost)
+    with caplog.at_level(logging.WARNING, logger="infemeral.client.session"), pytest.raises(
+            DeadlineExceeded, match="reply never came.*the session it made was deleted.*fork it again"):
+        session.fork()
+    ((fork_id, fork_key, was_made),) = made
+    assert was_made and not (root / fork_id.hex()).exists()
+    assert StoredSession(root, session.id).read_bytes() == stored_before and session.version == 1
+    assert fork_id.hex()[:8] in caplog.text
+    assert not any(secret.hex() in caplog.text for secret in (fork_id, fork_key, session.key))
 
 
 # -- the command line: chat --from NAME -----------------------------------------------------------------
