@@ -202,3 +202,15 @@ def test_a_reply_with_markup_renders_as_text(page, monkeypatch):
     assert content.find_element(By.TAG_NAME, "strong").text == "bold"
     assert [c.text for c in content.find_elements(By.TAG_NAME, "code")] == ["<b>code</b>", '<iframe src="/"></iframe>']
     assert page.driver.execute_script("return window.pwned === undefined")
+
+
+def test_lists_keep_their_items_together_and_their_numbers(page):
+    """A model's numbered list often has blank lines between its items: still one list, numbered as the model
+    numbered it; a list of another kind, or a paragraph, ends it."""
+    render = lambda text: page.driver.execute_script("return renderMarkdown(arguments[0])", text)  # noqa: E731
+    assert render("1. Eiffel Tower\n\n2. Louvre\n\n3. Notre Dame") == (
+        "<ol><li>Eiffel Tower</li><li>Louvre</li><li>Notre Dame</li></ol>")
+    assert render("3. third\n4. fourth") == '<ol start="3"><li>third</li><li>fourth</li></ol>'
+    assert render("- a\n\n- b\n\n1. one\n\nAfter.\n\n- c") == (
+        "<ul><li>a</li><li>b</li></ul><ol><li>one</li></ol><p>After.</p><ul><li>c</li></ul>")
+    assert render("- a\n\n") == "<ul><li>a</li></ul>"

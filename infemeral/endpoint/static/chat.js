@@ -64,7 +64,7 @@ function inline(text) {  // code spans, then bold and italics on the escaped res
 }
 
 const BULLET = /^\s*[-*+]\s+(.*)$/;
-const NUMBERED = /^\s*\d+[.)]\s+(.*)$/;
+const NUMBERED = /^\s*(\d+)[.)]\s+(.*)$/;  // the item's own number, then its text
 
 function renderMarkdown(text) {
   const lines = text.split("\n");
@@ -78,11 +78,25 @@ function renderMarkdown(text) {
       i++;
       out.push("<pre><code>" + escapeHtml(code.join("\n")) + "</code></pre>");
     } else if (BULLET.test(line) || NUMBERED.test(line)) {
-      const pattern = BULLET.test(line) ? BULLET : NUMBERED;
+      // one list while items of its kind follow, blank lines between them included (models often write
+      // "1. …\n\n2. …"); a numbered list starts at its first item's own number
+      const numbered = !BULLET.test(line);
+      const pattern = numbered ? NUMBERED : BULLET;
       const items = [];
-      for (; i < lines.length && pattern.test(lines[i]); i++) items.push("<li>" + inline(lines[i].match(pattern)[1]) + "</li>");
-      const tag = pattern === BULLET ? "ul" : "ol";
-      out.push("<" + tag + ">" + items.join("") + "</" + tag + ">");
+      while (i < lines.length) {
+        if (pattern.test(lines[i])) {
+          const match = lines[i++].match(pattern);
+          items.push("<li>" + inline(match[match.length - 1]) + "</li>");
+          continue;
+        }
+        let next = i;
+        while (next < lines.length && !lines[next].trim()) next++;
+        if (next === i || next === lines.length || !pattern.test(lines[next])) break;
+        i = next;
+      }
+      const start = numbered ? parseInt(line.match(NUMBERED)[1], 10) : 1;
+      const tag = numbered ? "ol" : "ul";
+      out.push("<" + tag + (start !== 1 ? ' start="' + start + '"' : "") + ">" + items.join("") + "</" + tag + ">");
     } else if (!line.trim()) {
       i++;
     } else {
