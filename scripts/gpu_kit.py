@@ -54,11 +54,12 @@ PINS = {
     "grpcio-reflection": "1.85.1",
     "flashinfer-python": "0.7.2.post1",  # the paged-attention kernels (pyproject's `cuda` extra)
     "apache-tvm-ffi": "0.1.15.post2",    # FlashInfer's kernel loader
+    "gguf": "0.19.0",                  # reading the packaged model (the lease's speculation stage, head training)
 }
 REPACK = {"flashinfer-python"}  # carried as the wheel's files in a .tar.xz
 # what the kit's packages and the server need from the image
 IMAGE = {"torch", "transformers", "safetensors", "tokenizers", "numpy", "jinja2", "tqdm", "prometheus-client",
-         "packaging", "filelock", "requests", "click", "einops", "tabulate", "ninja", "nvidia-ml-py"}
+         "packaging", "filelock", "requests", "pyyaml", "click", "einops", "tabulate", "ninja", "nvidia-ml-py"}
 # requirements of the kit's packages that the server never imports: cffi's parser (cryptography's bindings are
 # compiled) and FlashInfer's for kernels other than its paged attention
 NOT_NEEDED = {"pycparser", "cuda-python", "cuda-tile", "nccl-extensions", "nccl4py", "nvidia-cudnn-frontend",
