@@ -311,15 +311,21 @@ class FlakyLock:
         self.lock.release()
 
 
-def test_failed_lock_release_leaves_nothing_stuck(impatient_pod, monkeypatch):
-    srv, c = impatient_pod
+def committed_over_a_flaky_store(pod, monkeypatch):
+    """The pod's store made flaky (up for now) and a session committed through it: (server, the flaky store, the
+    session, its stored file, that file's bytes)."""
+    srv, c = pod
     flaky = FlakyStore(srv.engine.store)
     monkeypatch.setattr(srv.engine, "store", flaky)
     monkeypatch.setattr(srv.engine.persistence, "store", flaky)
     session = c.new_session()
     session.chat("Hello there.", SHORT)
     path = StoredSession(srv.settings.store, session.id)
-    blob = path.read_bytes()
+    return srv, flaky, session, path, path.read_bytes()
+
+
+def test_failed_lock_release_leaves_nothing_stuck(impatient_pod, monkeypatch):
+    srv, flaky, session, path, blob = committed_over_a_flaky_store(impatient_pod, monkeypatch)
 
     stream = session.stream("Tell me about the sea.", SHORT)
     next(stream)
@@ -344,14 +350,7 @@ def test_failed_lock_release_leaves_nothing_stuck(impatient_pod, monkeypatch):
 def test_delete_and_fork_while_the_store_is_down_answer_unavailable_and_lose_nothing(impatient_pod, monkeypatch):
     """Calls outside a turn map a store that went away as a turn does: UNAVAILABLE with a hint to retry, the
     committed session as it was, and both calls work once the store is back."""
-    srv, c = impatient_pod
-    flaky = FlakyStore(srv.engine.store)
-    monkeypatch.setattr(srv.engine, "store", flaky)
-    monkeypatch.setattr(srv.engine.persistence, "store", flaky)
-    session = c.new_session()
-    session.chat("Hello there.", SHORT)
-    path = StoredSession(srv.settings.store, session.id)
-    blob = path.read_bytes()
+    srv, flaky, session, path, blob = committed_over_a_flaky_store(impatient_pod, monkeypatch)
 
     flaky.is_down = True
     for call in (session.delete, session.fork):
