@@ -31,15 +31,14 @@ import argparse
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 
 from infemeral.client_half.half import ClientModel
-from infemeral.eval.metrics import chat_ids, teacher_forced_logits
+from infemeral.eval.metrics import Sequence, chat_ids, greedy_sequences, teacher_forced_logits
 from infemeral.eval.systems import Split
 from infemeral.quant.agreement import Agreement
 
@@ -55,11 +54,6 @@ PROMPTS = (
     "Describe the life of a honeybee from egg to forager.",
 )
 MARKER = "<!-- agreement {} {} -->"  # start/end, model: regenerated blocks in the markdown file
-
-
-class Sequence(NamedTuple):
-    prompt: list[int]
-    continuation: list[int]
 
 
 @dataclass
@@ -81,26 +75,6 @@ class IdentityServer:
 
     def __call__(self, hidden: torch.Tensor, cache) -> torch.Tensor:
         return hidden
-
-
-@torch.inference_mode()
-def greedy_continuations(client: ClientModel, server, prompts: list[list[int]], num_new: int,
-                         stop_ids: Iterable[int] = (), min_total: int = 0) -> list[Sequence]:
-    """Greedy continuations through client -> server -> client, token by token, until `min_total` positions."""
-    stop, out, total, split = set(stop_ids), [], 0, Split(client, server)
-    for prompt in prompts:
-        cache, ids, generated = split.new_cache(), list(prompt), []
-        while len(generated) < num_new:
-            token = int(split.logits(ids, cache)[-1].argmax())
-            if token in stop:
-                break
-            generated.append(token)
-            ids = [token]
-        out.append(Sequence(list(prompt), generated))
-        total += len(generated)
-        if total >= min_total:
-            break
-    return out
 
 
 def client_logits(client: ClientModel, server, seq: Sequence, chunk: int = 128) -> torch.Tensor:
@@ -153,7 +127,7 @@ def default_model_setup(num_positions: int, work: Path):
     prompts = [chat_ids(tokenizer, p) for p in PROMPTS]
     stop = {tokenizer.eos_token_id, *_eos_ids(bundle)}
     per_prompt = -(-num_positions // 4)
-    sequences = greedy_continuations(reference, server, prompts, per_prompt, stop, min_total=num_positions)
+    sequences = greedy_sequences(Split(reference, server), prompts, num_positions, stop, per_prompt=per_prompt)
     candidates = {label: (lambda kw=kw: ClientModel(bundle, device="cpu", **kw)) for label, kw in MODES.items()}
     return reference, candidates, server, sequences
 

@@ -11,7 +11,7 @@ import math
 from collections.abc import Callable
 from importlib import resources
 from importlib.resources.abc import Traversable
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -21,6 +21,13 @@ from infemeral.quant.agreement import Agreement
 # public domain; its provenance in data/README.md).
 DEFAULT_TEXT: Traversable = resources.files("infemeral.eval") / "data" / "kjv_genesis_37-40.txt"
 CHUNK = 256  # tokens fed at a time when scoring (dense attention: the same numbers as one at a time)
+
+
+class Sequence(NamedTuple):
+    """A prompt and a continuation of it: what teacher-forced measures compare systems on."""
+
+    prompt: list[int]
+    continuation: list[int]
 
 
 class System(Protocol):
@@ -50,9 +57,10 @@ def perplexity(system: System, ids: list[int], chunk: int = CHUNK, first: int | 
 @torch.inference_mode()
 def greedy_sequences(system: System, prompts: list[list[int]], positions: int, stop: set[int],
                      per_prompt: int | None = None,
-                     advance: Callable[[int], object] = lambda n: None) -> list[tuple[list[int], list[int]]]:
-    """Greedy continuations (prompt, tokens) from `system` until `positions` tokens in all; `advance(1)` after
-    each token."""
+                     advance: Callable[[int], object] = lambda n: None) -> list[Sequence]:
+    """Greedy continuations from `system`, up to `per_prompt` tokens each, until `positions` tokens in all;
+    `advance(1)` after each token. A continuation that stops at once is left out (nothing to compare on), and if
+    the prompts run out first they are asked again for continuations twice as long."""
     per_prompt = per_prompt or -(-positions // len(prompts))
     out, total = [], 0
     while total < positions:
@@ -66,7 +74,7 @@ def greedy_sequences(system: System, prompts: list[list[int]], positions: int, s
                 ids = [token]
                 advance(1)
             if generated:
-                out.append((list(prompt), generated))
+                out.append(Sequence(list(prompt), generated))
                 total += len(generated)
             if total >= positions:
                 break
@@ -90,7 +98,7 @@ def teacher_forced_logits(system: System, prompt: list[int], continuation: list[
     return torch.cat(rows)[len(prompt) - 1:]
 
 
-def agreement(candidate: System, sequences: list[tuple[list[int], list[int]]],
+def agreement(candidate: System, sequences: list[Sequence],
               advance: Callable[[int], object] = lambda n: None) -> Agreement:
     """Top-1 of `candidate` against the reference's own greedy continuations; `advance(n)` after each."""
     same = []

@@ -22,7 +22,8 @@ from infemeral.cloak.prepare import prepare
 from infemeral.cloak.sources import ModelSource
 from infemeral.errors import FailedPrecondition, InfemeralError
 from infemeral.eval import client_precision
-from infemeral.eval.metrics import chat_ids
+from infemeral.eval.metrics import Sequence, chat_ids, greedy_sequences
+from infemeral.eval.systems import Split
 from infemeral.layers.stack import LayerStack
 from infemeral.quant.int8 import Int8Linear, dequantize_rows, has_int8_kernel, int8_matmul, quantize_rows
 from tests.cloak.test_tiny_models import CONFIGS, PROMPT_LEN, build, split_logits, token_ids
@@ -256,8 +257,7 @@ def default_split(bundles):
     reference = ClientModel(bundle)
     tokenizer = bundle.tokenizer()
     prompts = [chat_ids(tokenizer, p) for p in client_precision.PROMPTS]
-    sequences = client_precision.greedy_continuations(reference, server, prompts, 128, {tokenizer.eos_token_id},
-                                                      min_total=512)
+    sequences = greedy_sequences(Split(reference, server), prompts, 512, {tokenizer.eos_token_id}, per_prompt=128)
     ref_logits = [client_precision.client_logits(reference, server, s) for s in sequences]
     return bundle, server, sequences, ref_logits
 
@@ -313,7 +313,6 @@ def test_sdk_chats_with_a_reduced_client(server, bundles, default_split, mode):
     bundle, server_half, _, _ = default_split
     prompt = chat_ids(bundle.tokenizer(), NEAR_TIE_QUESTION)
     assert len(prompt) == result.prompt_tokens
-    logits = client_precision.client_logits(ClientModel(bundle), server_half,
-                                                    client_precision.Sequence(prompt, result.token_ids))
+    logits = client_precision.client_logits(ClientModel(bundle), server_half, Sequence(prompt, result.token_ids))
     gaps = logits.max(-1).values - logits.gather(1, torch.tensor(result.token_ids)[:, None])[:, 0]
     assert gaps.max() <= FP32_GAP_AT_MOST, gaps  # a broken half picks tokens float32 puts far below its best
