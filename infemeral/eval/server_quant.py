@@ -83,7 +83,7 @@ def run_bundle(model: str | None, client_dir: Path, server_dir: Path, text: Path
                          "tuned on")
     if progress:
         print("loading the float32 model and the bundles...", file=sys.stderr, flush=True)
-    plain, tokenizer = load_model(model)
+    plain, tokenizer = load_model(model, hub=True)
     candidate = BundleSplit(client_dir, server_dir, DTYPES[dtype])
     eos = candidate.client.bundle.generation_config().eos_token_id
     stop = set(eos if isinstance(eos, list) else [] if eos is None else [eos]) | {tokenizer.eos_token_id}

@@ -11,25 +11,29 @@ from infemeral.layers import architecture
 from infemeral.quant import served
 
 
-def load_model(spec: str | None):
-    """The packaged SmolLM2 (default), a .gguf file, or a local checkpoint directory / Hub id; fp32."""
+def load_model(spec: str | Path | None = None, dtype: torch.dtype = torch.float32, *, hub: bool = False,
+               what: str = "model"):
+    """A causal LM (in eval mode) and its tokenizer: the packaged SmolLM2 (None or 'default'), a .gguf file, a local
+    checkpoint directory, or with `hub` a Hub id. Without `hub` nothing is downloaded, and a path that is not there
+    is a FileNotFoundError naming `what` was asked for."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if spec is None:
-        from infemeral.cloak.sources import default_gguf_path
+    from infemeral.cloak.sources import DEFAULT_MODEL, default_gguf_path, require_gguf
 
-        path = default_gguf_path()
-    else:
-        path = Path(spec)
-    if path.suffix == ".gguf":
-        from infemeral.cloak.sources import require_gguf
-
+    path = default_gguf_path() if spec is None or str(spec) == DEFAULT_MODEL else Path(spec).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
         require_gguf()
-        kwargs = dict(gguf_file=path.name)
-        where = path.parent
+        kwargs, where = dict(gguf_file=path.name), path.parent
+    elif path.is_dir():
+        kwargs, where = dict(local_files_only=True), path
+    elif path.exists():
+        raise ValueError(f"{path} is neither a model directory nor a .gguf file")
+    elif hub and path.suffix != ".gguf":
+        kwargs, where = {}, str(spec)
     else:
-        kwargs, where = {}, spec
-    model = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, **kwargs).eval()
+        raise FileNotFoundError(f"{what} not found: {path} (give a local model directory or .gguf file"
+                                f"{', or a Hub id' if hub else ''})")
+    model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **kwargs).eval()
     tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
     return model, tokenizer
 

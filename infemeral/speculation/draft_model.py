@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from infemeral.errors import FailedPrecondition
+from infemeral.eval.systems import load_model
 from infemeral.kvcache.prefix import common_prefix
 from infemeral.layers.architecture import cache_keyword
 
@@ -53,28 +54,6 @@ def check_same_tokenizer(target, draft, where: str = "the draft model") -> None:
                                  "use --speculate ngram instead")
 
 
-def load_model(path: str | Path, dtype: torch.dtype = torch.float32):
-    """A causal LM and its tokenizer from a local directory or .gguf file ('default': the packaged SmolLM2)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from infemeral.cloak.sources import DEFAULT_MODEL, default_gguf_path, require_gguf
-
-    path = default_gguf_path() if str(path) == DEFAULT_MODEL else Path(path).expanduser()
-    if not path.exists():
-        raise FileNotFoundError(f"draft model not found: {path} (give a local model directory or .gguf file)")
-    if path.suffix == ".gguf":
-        require_gguf()
-        kwargs = dict(gguf_file=path.name)
-        path = path.parent
-    elif path.is_dir():
-        kwargs = dict(local_files_only=True)
-    else:
-        raise ValueError(f"{path} is neither a model directory nor a .gguf file")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-    return model, tokenizer
-
-
 class DraftModel:
     """Greedy drafts from a small causal LM run on the client, for one conversation at a time (`fork` for more)."""
 
@@ -93,7 +72,7 @@ class DraftModel:
 
     @classmethod
     def load(cls, path: str | Path, target_tokenizer, dtype: torch.dtype = torch.float32) -> "DraftModel":
-        model, tokenizer = load_model(path, dtype)
+        model, tokenizer = load_model(path, dtype, what="draft model")
         return cls(model, tokenizer, target_tokenizer)
 
     def fork(self) -> "DraftModel":

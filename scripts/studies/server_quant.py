@@ -436,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     from infemeral.eval.systems import load_model
 
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, hub=True)
     ref = Reference.from_transformers(model, tokenizer)
     del model
     paths = {p.name: p for p in args.text} if args.text else held_texts()

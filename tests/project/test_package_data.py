@@ -46,7 +46,7 @@ def test_eval_server_quant_reads_its_default_text_from_the_package(monkeypatch, 
     config = SimpleNamespace(eos_token_id=2)
     bundles = SimpleNamespace(quant=SimpleNamespace(describe=lambda: "int4"),
                               client=SimpleNamespace(bundle=SimpleNamespace(generation_config=lambda: config)))
-    monkeypatch.setattr(systems, "load_model", lambda spec: (None, config))
+    monkeypatch.setattr(systems, "load_model", lambda spec, **options: (None, config))
     monkeypatch.setattr(systems, "BundleSplit", lambda *args: bundles)
     monkeypatch.setattr(server_quant, "measure_bundle", lambda reference, candidate, tokenizer, text, *rest:
                         read.setdefault("text", text))
