@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from infemeral.eval.perplexity import (DEFAULT_TEXT, DENSE, NO_REROTATE, NO_SINKS, SINKS, PlainModel, compare,
-                                       tokenize)
+from infemeral.eval.metrics import DEFAULT_TEXT
+from infemeral.eval.perplexity import DENSE, NO_REROTATE, NO_SINKS, SINKS, PlainModel, compare, tokenize
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ bundle), bfloat16 (weights packed for oneDNN where the CPU has bf16 kernels, `cl
 int8 weight-only (bf16 activations). All modes of one model are timed in
 rotation, one step each, so a burst of load from other processes hits them alike. Targets apply at
 the 8B shape; agreement of the reduced modes with float32 is measured separately
-(`python -m infemeral.eval.client_precision`, docs/benchmarks/client_agreement.md).
+(`python scripts/studies/client_precision.py`, docs/benchmarks/client_agreement.md).
 """
 
 from __future__ import annotations
