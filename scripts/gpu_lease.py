@@ -1285,7 +1285,7 @@ def speculation_split(stage: Stage):
         source, head, what = ModelSource(model, tokenizer, "random weights"), HeadModel(layer_config(model.config)), \
             "random weights, random head (dry run)"
     else:
-        from infemeral.speculation.draft_model import load_model
+        from infemeral.cloak.sources import load_model
 
         head = stage.lease.speculation_head or HEAD_DIR
         if not (head / "config.json").exists():

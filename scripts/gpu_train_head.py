@@ -176,7 +176,7 @@ def phase_load(state, run: Run, args, work: Path, out: Path, deadline: float) ->
     if run.dry_run:
         state["model"] = tiny_model()
         return {"model": "random tiny Llama (dry run)"}
-    from infemeral.speculation.draft_model import load_model
+    from infemeral.cloak.sources import load_model
 
     state["model"] = load_model(args.model, torch.float32)
     return {"parameters": sum(p.numel() for p in state["model"][0].parameters())}

@@ -258,3 +258,28 @@ def layer_tensors(source: WeightSource, index: int) -> Iterator[tuple[str, torch
     prefix = f"model.layers.{index}."
     for name in [n for n in source.names() if n.startswith(prefix)]:
         yield name[len(prefix):], source.take(name)
+
+
+def load_model(spec: str | Path | None = None, dtype: torch.dtype = torch.float32, *, hub: bool = False,
+               what: str = "model"):
+    """A causal LM (in eval mode) and its tokenizer: the packaged SmolLM2 (None or 'default'), a .gguf file, a local
+    checkpoint directory, or with `hub` a Hub id. Without `hub` nothing is downloaded, and a path that is not there
+    is a FileNotFoundError naming `what` was asked for."""
+    from transformers import AutoModelForCausalLM
+
+    path = default_gguf_path() if spec is None or str(spec) == DEFAULT_MODEL else Path(spec).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        require_gguf()
+        kwargs, where = dict(gguf_file=path.name), path.parent
+    elif path.is_dir():
+        kwargs, where = dict(local_files_only=True), path
+    elif path.exists():
+        raise ValueError(f"{path} is neither a model directory nor a .gguf file")
+    elif hub and path.suffix != ".gguf":
+        kwargs, where = {}, str(spec)
+    else:
+        raise FileNotFoundError(f"{what} not found: {path} (give a local model directory or .gguf file"
+                                f"{', or a Hub id' if hub else ''})")
+    model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **kwargs).eval()
+    tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
+    return model, tokenizer

@@ -75,7 +75,8 @@ def run_bundle(model: str | None, client_dir: Path, server_dir: Path, text: Path
                progress: bool = False) -> BundleReport:
     """The bundles against `model` (default: the packaged SmolLM2) on `text` (default: DEFAULT_TEXT)."""
     from infemeral.cloak.bundle import DTYPES
-    from infemeral.eval.systems import BundleSplit, PlainReference, load_model
+    from infemeral.cloak.sources import load_model
+    from infemeral.eval.systems import BundleSplit, PlainReference
 
     text = DEFAULT_TEXT if text is None else text
     if not text.is_file():

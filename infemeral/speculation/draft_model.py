@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from infemeral.errors import FailedPrecondition
-from infemeral.eval.systems import load_model
+from infemeral.cloak.sources import load_model
 from infemeral.kvcache.prefix import common_prefix
 from infemeral.layers.architecture import cache_keyword
 

@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from infemeral.speculation.draft_model import load_model
+    from infemeral.cloak.sources import load_model
 
     target, tokenizer = load_model(args.model, torch.float32)
     answers = float32_answers(args.model, target, tokenizer)

@@ -18,7 +18,7 @@ import torch
 
 from infemeral.eval.metrics import DEFAULT_TEXT
 from infemeral.eval.perplexity import DENSE, MODES, NO_REROTATE, NO_SINKS, SINKS, PlainModel, Result, compare, tokenize
-from infemeral.eval.systems import load_model
+from infemeral.cloak.sources import load_model
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_DOC = REPO / "docs" / "window_perplexity.md"

@@ -434,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
-    from infemeral.eval.systems import load_model
+    from infemeral.cloak.sources import load_model
 
     model, tokenizer = load_model(args.model, hub=True)
     ref = Reference.from_transformers(model, tokenizer)

@@ -11,6 +11,7 @@ from setuptools.config.pyprojecttoml import apply_configuration
 from setuptools.dist import Distribution
 
 import infemeral
+from infemeral.cloak import sources
 from infemeral.eval import server_quant, systems
 from infemeral.eval.metrics import DEFAULT_TEXT
 from infemeral.quant.calibration import conversations
@@ -46,7 +47,7 @@ def test_eval_server_quant_reads_its_default_text_from_the_package(monkeypatch, 
     config = SimpleNamespace(eos_token_id=2)
     bundles = SimpleNamespace(quant=SimpleNamespace(describe=lambda: "int4"),
                               client=SimpleNamespace(bundle=SimpleNamespace(generation_config=lambda: config)))
-    monkeypatch.setattr(systems, "load_model", lambda spec, **options: (None, config))
+    monkeypatch.setattr(sources, "load_model", lambda spec, **options: (None, config))
     monkeypatch.setattr(systems, "BundleSplit", lambda *args: bundles)
     monkeypatch.setattr(server_quant, "measure_bundle", lambda reference, candidate, tokenizer, text, *rest:
                         read.setdefault("text", text))

@@ -221,7 +221,7 @@ def train_drafter(model: str | Path, output: str | Path, settings: TrainSettings
     target = None
     if answers is None:
         if loaded is None:
-            from infemeral.speculation.draft_model import load_model
+            from infemeral.cloak.sources import load_model
 
             log.info("loading %s", model)
             target, tokenizer = load_model(model, torch.float32)
