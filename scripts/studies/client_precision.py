@@ -28,6 +28,9 @@ from infemeral.eval.client_precision import (MODES, PROMPTS, RANDOM_8B, ClientCo
 from infemeral.eval.metrics import Sequence, chat_ids, greedy_sequences
 from infemeral.eval.systems import Split
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: the studies package, run as a file too
+from studies.docs_block import put_block  # noqa: E402
+
 MARKER = "<!-- agreement {} {} -->"  # start/end, model: regenerated blocks in the markdown file
 
 
@@ -92,15 +95,7 @@ def table(results: list[ClientComparison]) -> str:
 
 def write_section(path: Path, heading: str, body: str) -> None:
     """Replace (or append) the block for `heading` between this module's markers."""
-    start, end = MARKER.format("start", heading), MARKER.format("end", heading)
-    block = f"{start}\n{body}\n{end}"
-    text = path.read_text() if path.exists() else "# Client agreement with float32\n"
-    if start in text and end in text:
-        text = text[:text.index(start)] + block + text[text.index(end) + len(end):]
-    else:
-        text = text.rstrip() + f"\n\n{block}\n"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
+    put_block(path, MARKER.format("start", heading), MARKER.format("end", heading), body, "Client agreement with float32")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,16 +9,18 @@ The measure itself (the plain model, the window modes, scoring) is infemeral/eva
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
+from infemeral.cloak.sources import load_model
 from infemeral.eval.metrics import DEFAULT_TEXT
 from infemeral.eval.perplexity import DENSE, MODES, NO_REROTATE, NO_SINKS, SINKS, PlainModel, Result, compare, tokenize
-from infemeral.cloak.sources import load_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: the studies package, run as a file too
+from studies.docs_block import put_block  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_DOC = REPO / "docs" / "window_perplexity.md"
@@ -49,14 +51,7 @@ def markdown_table(rows: Mapping[int, Mapping[str, Result]]) -> str:
 
 def write_table(path: Path, table: str, settings: str) -> None:
     """Put the table between the markers in `path` (creating a minimal file when it has none)."""
-    block = f"{TABLE_START}\n{settings}\n\n{table}\n{TABLE_END}"
-    text = path.read_text() if path.exists() else ""
-    if TABLE_START in text and TABLE_END in text:
-        text = re.sub(re.escape(TABLE_START) + ".*?" + re.escape(TABLE_END), lambda _: block, text, flags=re.S)
-    else:
-        text = (text.rstrip() + "\n\n" if text else "# Sliding-window perplexity\n\n") + block + "\n"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
+    put_block(path, TABLE_START, TABLE_END, f"{settings}\n\n{table}", "Sliding-window perplexity")
 
 
 def main(argv: list[str] | None = None) -> int:

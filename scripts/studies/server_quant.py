@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -39,6 +38,9 @@ from infemeral.layers.architecture import NORM_FEEDS
 from infemeral.layers.stack import LayerStack
 from infemeral.quant import served
 from infemeral.quant.calibration import Calibration, calibration_ids
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: the studies package, run as a file too
+from studies.docs_block import put_block  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 # The text the first measurements used (docs/design.md §13): the GPL-3 licence as Debian and Ubuntu install it.
@@ -281,15 +283,7 @@ def methods_table(cells: list[Cell]) -> str:
 
 
 def write_block(path: Path, body: str, start: str = TABLE_START, end: str = TABLE_END) -> None:
-    block = f"{start}\n{body}\n{end}"
-    text = path.read_text() if path.exists() else "# Quantised served layers\n"
-    if start in text and end in text:
-        text = re.sub(re.escape(start) + ".*?" + re.escape(end), lambda _: block, text, flags=re.S)
-    else:
-        text = text.rstrip() + f"\n\n{block}\n"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-
+    put_block(path, start, end, body, "Quantised served layers")
 
 
 def held_texts() -> dict[str, Path]:
