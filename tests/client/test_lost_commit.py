@@ -43,6 +43,16 @@ def reference_answers(client) -> list[list[int]]:
     return [session.chat(q, PARAMS).token_ids for q in QUESTIONS]
 
 
+def second_reply_lost(c, fault):
+    """A session whose first turn committed and whose second one committed on the server unheard."""
+    session = c.new_session()
+    session.chat(QUESTIONS[0], PARAMS)
+    fault.mode = "reply"
+    with pytest.raises(StatusError):
+        session.chat(QUESTIONS[1], PARAMS)
+    return session
+
+
 @pytest.mark.parametrize("mode", ["reply", "request"])
 def test_lost_commit_is_settled_on_the_next_turn(faulty, client, mode):
     c, fault = faulty
@@ -69,11 +79,7 @@ def test_lost_reply_is_kept_in_the_session_file(faulty, client, tmp_path):
     and the resumed session settles it (here: adopts it) instead of being stuck one version behind."""
     c, fault = faulty
     expected = reference_answers(client)
-    session = c.new_session()
-    session.chat(QUESTIONS[0], PARAMS)
-    fault.mode = "reply"
-    with pytest.raises(StatusError):
-        session.chat(QUESTIONS[1], PARAMS)
+    session = second_reply_lost(c, fault)
     path = session.save(tmp_path / "chat.session")
     resumed = client.load_session(path)  # another process
     assert resumed.version == 1 and resumed.pending_commit is not None
@@ -86,11 +92,7 @@ def test_lost_reply_is_kept_in_the_session_file(faulty, client, tmp_path):
 def test_adopted_turn_stays_committed_when_the_next_turn_fails(faulty, client):
     c, fault = faulty
     expected = reference_answers(client)
-    session = c.new_session()
-    session.chat(QUESTIONS[0], PARAMS)
-    fault.mode = "reply"
-    with pytest.raises(StatusError):
-        session.chat(QUESTIONS[1], PARAMS)
+    session = second_reply_lost(c, fault)
     fault.mode = "request"  # the next turn adopts the lost one, then fails itself before its commit leaves
     with pytest.raises(StatusError):
         session.chat(QUESTIONS[2], PARAMS)
