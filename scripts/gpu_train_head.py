@@ -41,8 +41,7 @@ for folder in (ROOT, ROOT / "scripts"):
 import torch  # noqa: E402
 
 from infemeral.speculation.head.settings import TrainSettings  # noqa: E402
-from studies.compare_heads import (SHAPES, comparison_data, compare, float32_answers,  # noqa: E402,F401
-                                   load_heads, table)
+from studies.compare_heads import comparison_data, compare, float32_answers, load_heads, table  # noqa: E402
 
 CPU_HEAD = ROOT / ".bundles" / "draft-head-default"  # train-drafter's defaults, trained by the speculation bench
 RETURNED_FILE_BYTES = 16 * 2**20  # the most one file under $OUT may hold to come back

@@ -15,6 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))
 
 import gpu_train_head  # noqa: E402
+from studies.compare_heads import SHAPES  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +37,7 @@ def test_the_dry_run_runs_every_phase_and_reports_each(dry_run):
     assert data["phases"]["answers"]["figures"]["answer tokens"] > 0
     rows = data["comparison"]  # both heads, both shapes, on the whole comparison set
     assert {(r["head"], r["shape"]) for r in rows} == {(h, s) for h in ("trained here", "float32 copy (dry run)")
-                                                       for s, _, _ in gpu_train_head.SHAPES}
+                                                       for s, _, _ in SHAPES}
     assert all(r["prompts"] == 20 and 1.0 <= r["tokens_per_round_trip"] <= 6.0 for r in rows)
     assert "| trained here | chain of 5 |" in (out / "gpu-train-head.md").read_text() and "| trained here |" in printed
 
